@@ -1,0 +1,193 @@
+"""LightningDataModule that streams training minibatches from the rollout engine.
+
+``setup`` builds the vLLM engine (on its own cores / GPUs) and binds the rollout controller;
+``train_dataloader`` is an endless stream: each rollout batch from the controller is split into
+``minibatches`` x ``epochs`` optimizer steps, and the last one is flagged ``sync_after`` so the
+``WeightSync`` callback pushes the new weights before the next rollout batch is requested.
+
+The module pulls batches itself (``training_step(dataloader_iter)``): Lightning's default
+fetcher would request batch k+1 before step k runs, i.e. sample it with stale weights.
+
+    python train.py rollout=sync             # this datamodule is the default ``data``
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from modules.config_errors import check
+from modules.engine import SamplingConfig, VLLMEngine
+from modules.experience import Experience, collate
+from modules.rollout.base import PromptStream, RolloutContext, RolloutController, wait_any
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        task: Any,
+        engine: VLLMEngine,
+        rollout: RolloutController,
+        advantage: Any,
+        minibatches: int = 1,
+        epochs: int = 1,
+        train_size: int = 50000,
+        eval_size: int = 256,
+        eval_max_tokens: int | None = None,
+        seed: int = 0,
+        reward_workers: int = 1,
+    ) -> None:
+        super().__init__()
+        check("algo.minibatches", minibatches, isinstance(minibatches, int) and minibatches >= 1,
+              "an int >= 1")
+        check("algo.epochs", epochs, isinstance(epochs, int) and epochs >= 1, "an int >= 1")
+        n_samples = rollout.prompts_per_step * rollout.group_size
+        check("algo.minibatches", minibatches, minibatches <= n_samples,
+              f"<= rollout.prompts_per_step * rollout.group_size = {n_samples}")
+        check("data.train_size", train_size, train_size >= 1, "an int >= 1")
+        check("data.eval_size", eval_size, eval_size >= 0, "an int >= 0")
+        self.task = task
+        self.engine = engine
+        self.rollout = rollout
+        self.advantage = advantage
+        self.minibatches = minibatches
+        self.epochs = epochs
+        self.train_size = train_size
+        self.eval_size = eval_size
+        self.eval_max_tokens = eval_max_tokens or rollout.sampling.max_tokens
+        self.seed = seed
+        self.tokenizer: Any = None
+        self.prompts: PromptStream | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self.samples_trained = 0
+        self.rollout_wait_s = 0.0  # trainer time spent blocked on rollout
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, stage: str | None = None) -> None:
+        if self.prompts is not None:
+            return
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_path)
+        self.train_rows = list(self.task.build("train", self.train_size))
+        self.eval_rows = list(self.task.build("eval", self.eval_size)) if self.eval_size else []
+        self.prompts = PromptStream(self.train_rows, seed=self.seed)
+        if self._pending_state is not None:
+            self._restore(self._pending_state)
+        self.engine.start()
+        self.rollout.bind(RolloutContext(self.engine, self.task, self.tokenizer, self.prompts,
+                                         self.advantage, seed=self.seed))
+
+    def teardown(self, stage: str | None = None) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ training stream
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        rng = random.Random(self.seed)
+        while True:
+            t0 = time.perf_counter()
+            exps = self.rollout.next_batch()
+            waited = time.perf_counter() - t0
+            self.rollout_wait_s += waited
+            stats = rollout_stats(exps)
+            stats["perf/rollout_wait_s"] = waited
+            n = len(exps)
+            for epoch in range(self.epochs):
+                order = list(range(n))
+                rng.shuffle(order)
+                chunks = [order[k::self.minibatches] for k in range(self.minibatches)]
+                for k, chunk in enumerate(chunks):
+                    batch: dict[str, Any] = collate([exps[i] for i in chunk], self.tokenizer.pad_token_id)
+                    batch["sync_after"] = epoch == self.epochs - 1 and k == self.minibatches - 1
+                    batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
+                    batch["num_samples"] = len(chunk) if epoch == 0 else 0
+                    yield batch
+
+    # ------------------------------------------------------------------ weights and eval
+    def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+        """Push trainer weights to the engine as ``version``; returns seconds taken."""
+        return self.engine.update_weights(named_tensors, version)
+
+    def evaluate(self, greedy: bool = True) -> dict[str, float]:
+        """Held-out reward from the engine: mean and per difficulty level."""
+        if not self.eval_rows:
+            return {}
+        temp = 0.0 if greedy else self.rollout.sampling.temperature
+        sampling = SamplingConfig(temperature=temp, max_tokens=self.eval_max_tokens)
+        futs = {}
+        for i, row in enumerate(self.eval_rows):
+            ids = self.tokenizer(self.task.prompt_text(row))["input_ids"]
+            futs[self.engine.submit(ids, sampling, seed=i, request_id=f"eval-{time.time_ns()}-{i}")] = row
+        rewards: dict[int, list[float]] = {}
+        lengths = []
+        pending = set(futs)
+        while pending:
+            done = wait_any(self.engine, pending)
+            pending -= done
+            for f in done:
+                comp, row = f.result(), futs[f]
+                text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+                rewards.setdefault(row.get("level", 0), []).append(float(self.task.reward(row, text)))
+                lengths.append(len(comp.token_ids))
+        allr = [r for rs in rewards.values() for r in rs]
+        out = {"eval/reward_mean": sum(allr) / len(allr), "eval/response_len_mean": sum(lengths) / len(lengths)}
+        for lv, rs in sorted(rewards.items()):
+            out[f"eval/reward_level{lv}"] = sum(rs) / len(rs)
+        return out
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        # Sync mode holds no buffered experience between steps: the prompt cursor is the state.
+        return {
+            "prompts": self.prompts.state_dict() if self.prompts else None,
+            "rollout": self.rollout.state_dict(),
+            "samples_trained": self.samples_trained,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.prompts is None:
+            self._pending_state = state  # applied in setup()
+        else:
+            self._restore(state)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        if state.get("prompts") and self.prompts is not None:
+            self.prompts.load_state_dict(state["prompts"])
+        self.rollout.load_state_dict(state["rollout"])
+        self.samples_trained = int(state.get("samples_trained", 0))
+
+
+class _RolloutStream(IterableDataset):
+    def __init__(self, dm: RolloutDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.dm._batches()
+
+
+def rollout_stats(exps: list[Experience]) -> dict[str, float]:
+    """Per-rollout-batch statistics logged by the module."""
+    n = len(exps)
+    lengths = [len(e.response_ids) for e in exps]
+    start = min(e.gen_start for e in exps)
+    end = max(e.gen_end for e in exps)
+    return {
+        "train/reward_mean": sum(e.reward for e in exps) / n,
+        "train/response_len_mean": sum(lengths) / n,
+        "train/response_len_max": float(max(lengths)),
+        "train/truncated_frac": sum(e.truncated for e in exps) / n,
+        "rollout/gen_span_s": end - start,
+        "rollout/tokens": float(sum(lengths)),
+    }

@@ -1,0 +1,84 @@
+"""Default task: remainder by repeated subtraction, with a scratchpad the verifier checks.
+
+Prompt ``"47%5="``; correct response ``"42,37,32,27,22,17,12,7,2."`` then end-of-sequence:
+every value ``a - k*b`` down to ``a mod b``. The number of steps is ``a // b``, so the
+difficulty level sets the response length: level 0 takes 1-3 steps (~6 characters), level 2
+takes 13-40 steps (~100 characters), a >10x spread, and the default mix is long-tailed
+(most prompts short, a few long), which is what makes a synchronous barrier costly.
+
+Reward is 1.0 only if the whole scratchpad is right (a guessed final number earns nothing),
+so a per-step error rate e gives accuracy (1-e)^steps: harder prompts fail more often.
+
+    python -m data.tasks.remainder      # print a few examples
+
+To make a new task, copy this file (keep the ``build``/``reward`` signatures) and point a
+``conf/task/<name>.yaml`` at it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from datasets import Dataset
+
+from modules.config_errors import check
+
+# (min steps, max steps) per difficulty level.
+LEVELS: tuple[tuple[int, int], ...] = ((1, 3), (4, 12), (13, 40))
+
+
+def solve(a: int, b: int) -> str:
+    """The reference scratchpad for ``a % b``."""
+    values = list(range(a - b, -1, -b))
+    values = [v for v in values if v >= 0]
+    return ",".join(map(str, values)) + "."
+
+
+def make_problem(rng: random.Random, level: int) -> dict:
+    lo, hi = LEVELS[level]
+    steps = rng.randint(lo, hi)
+    b = rng.randint(2, 9)
+    r = rng.randint(0, b - 1)
+    a = steps * b + r
+    return {"prompt": f"{a}%{b}=", "answer": solve(a, b), "level": level, "steps": steps}
+
+
+@dataclass
+class RemainderTask:
+    """Generates the dataset and scores responses. Every split is a pure function of the seed."""
+
+    level_weights: tuple[float, ...] = (0.6, 0.3, 0.1)
+    seed: int = 0
+    name: str = "remainder"
+
+    def __post_init__(self) -> None:
+        self.level_weights = tuple(float(w) for w in self.level_weights)
+        check("task.level_weights", list(self.level_weights),
+              len(self.level_weights) == len(LEVELS) and min(self.level_weights) >= 0
+              and sum(self.level_weights) > 0,
+              f"{len(LEVELS)} non-negative weights, not all zero")
+
+    def build(self, split: str, size: int) -> Dataset:
+        """``split`` in train / eval / sft; different splits use different seeds."""
+        offsets = {"train": 0, "eval": 1, "sft": 2}
+        check("split", split, split in offsets, "one of " + ", ".join(offsets))
+        rng = random.Random(self.seed * 1000 + offsets[split])
+        levels = rng.choices(range(len(LEVELS)), weights=self.level_weights, k=size)
+        rows = [make_problem(rng, lv) for lv in levels]
+        for i, row in enumerate(rows):
+            row["id"] = i
+        return Dataset.from_list(rows)
+
+    def prompt_text(self, row: dict) -> str:
+        return row["prompt"]
+
+    def reward(self, row: dict, response: str) -> float:
+        """1.0 iff the response is exactly the reference scratchpad."""
+        return 1.0 if response.strip() == row["answer"] else 0.0
+
+
+if __name__ == "__main__":
+    task = RemainderTask()
+    for row in task.build("train", 8):
+        print(row)

@@ -1,0 +1,125 @@
+"""Small Lightning callbacks shared by the recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import json
+
+import lightning as L
+import torch
+
+
+class SaveHFModel(L.Callback):
+    """At the end of training, write the policy with ``save_pretrained`` (loadable by vLLM)."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        out = Path(self.dirpath)
+        out.mkdir(parents=True, exist_ok=True)
+        pl_module.policy.save_pretrained(out, safe_serialization=True)
+        pl_module.tokenizer.save_pretrained(out)
+        if pl_module.policy.generation_config is not None:
+            pl_module.policy.generation_config.save_pretrained(out)
+
+
+class WeightSyncError(RuntimeError):
+    """After a sync the engine's logprobs differ from the trainer's."""
+
+
+class WeightSync(L.Callback):
+    """Push the policy to the engine after the last minibatch of each rollout batch.
+
+    Also once at train start, so a resumed run's engine serves the checkpoint's weights.
+    With ``verify`` the engine then scores one trained sequence and its logprobs must match
+    the trainer's within ``tolerance`` (one prefill per sync; a silent sync bug, e.g. a stale
+    tied ``lm_head``, otherwise shows up only as a slowly drifting ``train/kl_behavior``).
+    """
+
+    def __init__(self, verify: bool = True, tolerance: float = 1e-4) -> None:
+        self.verify = verify
+        self.tolerance = tolerance
+        self.last_probe: list[int] | None = None
+
+    def _sync(self, trainer: L.Trainer, pl_module: L.LightningModule, version: int) -> None:
+        pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(pl_module.weights_for_engine(), version)
+        pl_module.policy_version = version
+        if self.verify and self.last_probe:
+            diff = self._max_diff(trainer, pl_module, self.last_probe)
+            pl_module.last_weight_sync_diff = diff
+            if not diff <= self.tolerance:
+                raise WeightSyncError(
+                    f"after syncing version {version} the engine's logprobs differ from the "
+                    f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})")
+
+    @staticmethod
+    def _max_diff(trainer: L.Trainer, pl_module: L.LightningModule, seq: list[int]) -> float:
+        from modules.policy import token_logprobs
+
+        engine_lp = torch.tensor(trainer.datamodule.engine.score(seq))
+        was_training = pl_module.policy.training
+        pl_module.policy.eval()
+        with torch.no_grad():
+            ids = torch.tensor([seq], device=pl_module.device)
+            lp, _ = token_logprobs(pl_module.policy, ids, torch.ones_like(ids), 1.0)
+        pl_module.policy.train(was_training)
+        return float((lp[0].cpu() - engine_lp).abs().max())
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer, pl_module, pl_module.policy_version)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        batch = getattr(pl_module, "_current_batch", None)
+        if batch is None or not batch.get("sync_after"):
+            return
+        n = int(batch["attention_mask"][0].sum())
+        self.last_probe = batch["input_ids"][0, :n].tolist()
+        self._sync(trainer, pl_module, pl_module.policy_version + 1)
+
+
+class HeldOutEval(L.Callback):
+    """Greedy held-out reward from the engine at start, every N optimizer steps, and at the end.
+
+    Writes ``eval/*`` to the loggers and ``eval_summary.json`` (first and last evaluation)
+    in the run directory.
+    """
+
+    def __init__(self, every_n_steps: int = 20) -> None:
+        self.every_n_steps = every_n_steps
+        self.history: list[dict[str, float]] = []
+
+    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        metrics = trainer.datamodule.evaluate()
+        if not metrics:
+            return
+        metrics["step"] = trainer.global_step
+        self.history.append(metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=trainer.global_step)
+        for k, v in metrics.items():
+            if k != "step":
+                trainer.callback_metrics[k] = torch.tensor(v)
+        if trainer.log_dir:
+            out = {"first": self.history[0], "last": self.history[-1], "history": self.history}
+            Path(trainer.log_dir, "eval_summary.json").write_text(json.dumps(out, indent=1))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._run(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_step():
+            self._run(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != self._last_step():
+            self._run(trainer, pl_module)
+
+    def _last_step(self) -> int:
+        return int(self.history[-1]["step"]) if self.history else -1

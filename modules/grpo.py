@@ -1,0 +1,123 @@
+"""GRPO LightningModule: the policy, its loss, and the metrics users read.
+
+    python train.py recipe=sync_grpo
+
+The module owns the HF policy and computes response-token logprobs with the sampling
+temperature (the engine returns logprobs of the tempered distribution). It pulls each
+minibatch itself (``training_step(dataloader_iter)``) so that Lightning never prefetches a
+rollout batch generated with weights that are about to change. The loss is any function with
+the signature of ``modules.losses.ppo_clip_loss`` (``algo.loss`` in the config).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from modules.config_errors import check
+from modules.policy import load_policy, named_weights, token_logprobs
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(
+        self,
+        model_path: str,
+        loss: partial,
+        optimizer: partial,
+        temperature: float = 1.0,
+        scheduler: partial | None = None,
+    ) -> None:
+        super().__init__()
+        check("module.temperature", temperature, temperature > 0, "a float > 0")
+        self.model_path = str(model_path)
+        self.loss_fn = loss
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.temperature = temperature
+        self.policy: Any = None
+        self.tokenizer: Any = None
+        # Policy version = number of weight syncs to the engine; checkpointed.
+        self.policy_version = 0
+        self.samples_trained = 0
+        self.last_weight_sync_s = 0.0
+        self.last_weight_sync_diff = 0.0  # engine vs trainer logprobs after the last sync
+        self._t_start: float | None = None
+        self._wait_s = 0.0
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy, self.tokenizer = load_policy(self.model_path)
+            self.policy.train()
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        batch, _, _ = next(dataloader_iter)
+        batch = move_data_to_device(batch, self.device)
+        self._wait_s += time.perf_counter() - t0
+        self._current_batch = batch  # read by WeightSync.on_train_batch_end
+        logp, entropy = token_logprobs(self.policy, batch["input_ids"], batch["attention_mask"],
+                                       self.temperature, with_entropy=True)
+        mask = batch["loss_mask"]
+        loss, metrics = self.loss_fn(logp, batch["behavior_logprobs"], batch["advantages"], mask,
+                                     weights=batch["weights"])
+        self.samples_trained += int(batch["num_samples"])
+        self._log_step(batch, loss, metrics, entropy, mask)
+        return loss
+
+    def _log_step(self, batch: dict[str, Any], loss: torch.Tensor, metrics: dict[str, torch.Tensor],
+                  entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        bs = int(mask.shape[0])
+        log = partial(self.log, on_step=True, on_epoch=False, batch_size=bs)
+        log("train/loss", loss.detach())
+        for k, v in metrics.items():
+            log(f"train/{k}", v)
+        log("train/entropy", (entropy * mask).sum() / mask.sum().clamp_min(1))
+        log("train/advantage_abs_mean", batch["advantages"].abs().mean())
+        stats = batch.get("rollout_stats") or {}
+        for k, v in stats.items():
+            log(k, float(v), prog_bar=k == "train/reward_mean")
+        log("rollout/policy_version", float(self.policy_version))
+        staleness = self.policy_version - batch["policy_versions"].float()
+        log("rollout/staleness_mean", staleness.mean())
+        log("rollout/staleness_max", staleness.max())
+        elapsed = max(time.perf_counter() - (self._t_start or time.perf_counter()), 1e-9)
+        log("perf/samples_per_s", self.samples_trained / elapsed, prog_bar=True)
+        log("perf/trainer_idle_frac", self._wait_s / elapsed)
+        log("perf/weight_sync_s", self.last_weight_sync_s)
+        log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
+        dm = getattr(self.trainer, "datamodule", None)
+        engine = getattr(dm, "engine", None)
+        if engine is not None and getattr(engine, "started_at", None):
+            engine_wall = max(time.time() - engine.started_at, 1e-9)
+            log("perf/engine_idle_frac", 1.0 - engine.busy_seconds() / engine_wall)
+            log("perf/tokens_per_s", engine.tokens_generated / engine_wall)
+
+    # ------------------------------------------------------------------ weights
+    def weights_for_engine(self) -> dict[str, torch.Tensor]:
+        return named_weights(self.policy)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["asyncrl"] = {"policy_version": self.policy_version,
+                                 "samples_trained": self.samples_trained}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("asyncrl", {})
+        self.policy_version = int(state.get("policy_version", 0))
+        self.samples_trained = int(state.get("samples_trained", 0))
+        self.configure_model()
+
+    def configure_optimizers(self) -> Any:
+        opt = self.optimizer_factory(params=self.policy.parameters())
+        if self.scheduler_factory is None:
+            return opt
+        sched = self.scheduler_factory(optimizer=opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,57 @@
+"""Loading the HF policy and computing per-token logprobs the way the engine samples.
+
+The engine returns ``processed_logprobs``: log-softmax of ``logits / temperature`` (after
+top-p / top-k, which the default recipes leave off). ``token_logprobs`` computes exactly
+that, so behaviour and trainer logprobs are comparable token by token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model at {path}: build the SFT warm start first with "
+            "`make sft` (python train.py recipe=sft_warmup)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+
+    Returns ``(logp [B, T-1], entropy [B, T-1] or None)``; entropy is of the same tempered
+    distribution and carries no gradient.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF state dict the engine loads (tied ``lm_head`` omitted: vLLM ties it itself)."""
+    sd = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return sd

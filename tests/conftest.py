@@ -1,0 +1,63 @@
+"""Shared fixtures: the real composed config (shrunk for tests), tiny models, one engine.
+
+vLLM start-up costs ~20-30 s here, so the engine fixtures are session-scoped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+
+def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl-test"):
+    """Compose conf/train.yaml exactly as train.py does, plus overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[f"paths.root_dir={ROOT}",
+                                                f"paths.output_dir={output_dir}", *(overrides or [])],
+                            return_hydra_config=False)
+    return cfg
+
+
+# Small config used by every end-to-end run: few prompts, short eval, short responses.
+SHRINK = [
+    "trainer.max_steps=3",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.sampling.max_tokens=48",
+    "data.eval_size=8",
+    "data.train_size=256",
+    "callbacks.eval.every_n_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random Qwen2 models with peaky output distributions (init_std 0.3)."""
+    from modules.tiny_model import build_tiny_qwen
+
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "tied": build_tiny_qwen(base / "tied", seed=1, init_std=0.3, tie_word_embeddings=True),
+        "untied": build_tiny_qwen(base / "untied", seed=2, init_std=0.3, tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="session")
+def engine(models):
+    from modules.engine import VLLMEngine
+
+    eng = VLLMEngine(str(models["tied"]), max_model_len=256, max_num_seqs=64).start()
+    yield eng
+    eng.shutdown()

@@ -1,0 +1,66 @@
+"""Train a policy with asyncrl: compose the config, build the parts, fit, return the metric.
+
+    python train.py                          # default recipe (sync GRPO on the remainder task)
+    python train.py recipe=sft_warmup        # supervised warm start the RL recipes begin from
+    python train.py -m rollout.group_size=4,8 seed=0,1    # a Hydra sweep
+
+Every object comes from a ``_target_`` in ``conf/``; a recipe in ``recipes/`` only overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+import lightning as L
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from modules.config_errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig, **kwargs: object) -> object:
+    """``instantiate`` that surfaces our ConfigError (naming the field) instead of Hydra's wrapper."""
+    try:
+        return instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise ConfigError(str(cause)) from None
+        raise
+
+
+def train(cfg: DictConfig) -> float | None:
+    L.seed_everything(cfg.seed, workers=True)
+    torch.set_num_threads(cfg.torch_threads)
+    # Everything below is cheap to construct and validates its arguments; the engine and the
+    # model are only built inside fit(), so a bad value fails here, within seconds.
+    datamodule = build(cfg.data)
+    module = build(cfg.module)
+    callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
+    loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
+    trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        teardown = getattr(datamodule, "shutdown", None)
+        if teardown is not None:
+            teardown()  # engine down even if fit raised; a no-op when already down
+    metric = trainer.callback_metrics.get(cfg.optimized_metric)
+    log.info("%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir)
+    return None if metric is None else float(metric)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()
