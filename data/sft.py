@@ -59,6 +59,7 @@ class SFTDataModule(L.LightningDataModule):
         batch_size: int = 64,
         eval_batch_size: int = 128,
         num_workers: int = 0,
+        level_weights: list[float] | None = None,
     ) -> None:
         super().__init__()
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
@@ -70,10 +71,11 @@ class SFTDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
+        self.level_weights = None if level_weights is None else tuple(level_weights)
         self.tokenizer = build_char_tokenizer()
 
     def setup(self, stage: str | None = None) -> None:
-        self.train_rows = self.task.build("sft", self.train_size)
+        self.train_rows = self.task.build("sft", self.train_size, self.level_weights)
         self.eval_rows = self.task.build("eval", self.eval_size)
 
     def _collate_train(self, rows: list[dict]) -> dict[str, torch.Tensor]:

@@ -59,12 +59,17 @@ class RemainderTask:
               and sum(self.level_weights) > 0,
               f"{len(LEVELS)} non-negative weights, not all zero")
 
-    def build(self, split: str, size: int) -> Dataset:
-        """``split`` in train / eval / sft; different splits use different seeds."""
+    def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> Dataset:
+        """``split`` in train / eval / sft; different splits use different seeds.
+
+        ``level_weights`` overrides the difficulty mix for this split only (the SFT warm start
+        sees more long problems than the RL prompt stream does).
+        """
         offsets = {"train": 0, "eval": 1, "sft": 2}
         check("split", split, split in offsets, "one of " + ", ".join(offsets))
         rng = random.Random(self.seed * 1000 + offsets[split])
-        levels = rng.choices(range(len(LEVELS)), weights=self.level_weights, k=size)
+        weights = self.level_weights if level_weights is None else tuple(level_weights)
+        levels = rng.choices(range(len(LEVELS)), weights=weights, k=size)
         rows = [make_problem(rng, lv) for lv in levels]
         for i, row in enumerate(rows):
             row["id"] = i

