@@ -44,12 +44,17 @@ class RolloutDataModule(L.LightningDataModule):
         reward_workers: int = 1,
     ) -> None:
         super().__init__()
-        check("algo.minibatches", minibatches, isinstance(minibatches, int) and minibatches >= 1,
-              "an int >= 1")
+        check(
+            "algo.minibatches", minibatches, isinstance(minibatches, int) and minibatches >= 1, "an int >= 1"
+        )
         check("algo.epochs", epochs, isinstance(epochs, int) and epochs >= 1, "an int >= 1")
         n_samples = rollout.prompts_per_step * rollout.group_size
-        check("algo.minibatches", minibatches, minibatches <= n_samples,
-              f"<= rollout.prompts_per_step * rollout.group_size = {n_samples}")
+        check(
+            "algo.minibatches",
+            minibatches,
+            minibatches <= n_samples,
+            f"<= rollout.prompts_per_step * rollout.group_size = {n_samples}",
+        )
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
         check("data.eval_size", eval_size, eval_size >= 0, "an int >= 0")
         self.task = task
@@ -81,8 +86,11 @@ class RolloutDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             self._restore(self._pending_state)
         self.engine.start()
-        self.rollout.bind(RolloutContext(self.engine, self.task, self.tokenizer, self.prompts,
-                                         self.advantage, seed=self.seed))
+        self.rollout.bind(
+            RolloutContext(
+                self.engine, self.task, self.tokenizer, self.prompts, self.advantage, seed=self.seed
+            )
+        )
 
     def teardown(self, stage: str | None = None) -> None:
         self.shutdown()
@@ -107,7 +115,7 @@ class RolloutDataModule(L.LightningDataModule):
             for epoch in range(self.epochs):
                 order = list(range(n))
                 rng.shuffle(order)
-                chunks = [order[k::self.minibatches] for k in range(self.minibatches)]
+                chunks = [order[k :: self.minibatches] for k in range(self.minibatches)]
                 for k, chunk in enumerate(chunks):
                     batch: dict[str, Any] = collate([exps[i] for i in chunk], self.tokenizer.pad_token_id)
                     batch["sync_after"] = epoch == self.epochs - 1 and k == self.minibatches - 1
@@ -142,7 +150,10 @@ class RolloutDataModule(L.LightningDataModule):
                 rewards.setdefault(row.get("level", 0), []).append(float(self.task.reward(row, text)))
                 lengths.append(len(comp.token_ids))
         allr = [r for rs in rewards.values() for r in rs]
-        out = {"eval/reward_mean": sum(allr) / len(allr), "eval/response_len_mean": sum(lengths) / len(lengths)}
+        out = {
+            "eval/reward_mean": sum(allr) / len(allr),
+            "eval/response_len_mean": sum(lengths) / len(lengths),
+        }
         for lv, rs in sorted(rewards.items()):
             out[f"eval/reward_level{lv}"] = sum(rs) / len(rs)
         return out

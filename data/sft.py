@@ -100,9 +100,11 @@ class SFTDataModule(L.LightningDataModule):
         rows = list(self.train_rows)
         lengths = [len(r["prompt"]) + len(r["answer"]) for r in rows]
         sampler = LengthBucketSampler(lengths, self.batch_size)
-        return DataLoader(rows, batch_sampler=sampler, collate_fn=self._collate_train,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            rows, batch_sampler=sampler, collate_fn=self._collate_train, num_workers=self.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(list(self.eval_rows), batch_size=self.eval_batch_size, shuffle=False,
-                          collate_fn=lambda rows: rows)
+        return DataLoader(
+            list(self.eval_rows), batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda rows: rows
+        )

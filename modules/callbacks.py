@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -46,7 +45,9 @@ class WeightSync(L.Callback):
         self.last_probe: list[int] | None = None
 
     def _sync(self, trainer: L.Trainer, pl_module: L.LightningModule, version: int) -> None:
-        pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(pl_module.weights_for_engine(), version)
+        pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(
+            pl_module.weights_for_engine(), version
+        )
         pl_module.policy_version = version
         if self.verify and self.last_probe:
             diff = self._max_diff(trainer, pl_module, self.last_probe)
@@ -54,7 +55,8 @@ class WeightSync(L.Callback):
             if not diff <= self.tolerance:
                 raise WeightSyncError(
                     f"after syncing version {version} the engine's logprobs differ from the "
-                    f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})")
+                    f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})"
+                )
 
     @staticmethod
     def _max_diff(trainer: L.Trainer, pl_module: L.LightningModule, seq: list[int]) -> float:

@@ -69,8 +69,7 @@ class SamplingConfig:
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
 
     def __post_init__(self) -> None:
-        check("sampling.temperature", self.temperature, self.temperature >= 0,
-              "a float >= 0 (0 = greedy)")
+        check("sampling.temperature", self.temperature, self.temperature >= 0, "a float >= 0 (0 = greedy)")
         check("sampling.top_p", self.top_p, 0 < self.top_p <= 1, "a float in (0, 1]")
         check("sampling.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
         check("sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
@@ -108,8 +107,12 @@ class VLLMEngine:
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
         check("engine.max_num_seqs", max_num_seqs, max_num_seqs >= 1, "an int >= 1")
-        check("engine.dtype", dtype, dtype in ("float32", "bfloat16", "float16", "auto"),
-              "one of float32, bfloat16, float16, auto")
+        check(
+            "engine.dtype",
+            dtype,
+            dtype in ("float32", "bfloat16", "float16", "auto"),
+            "one of float32, bfloat16, float16, auto",
+        )
         self.model_path = str(model_path)
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -298,8 +301,9 @@ class VLLMEngine:
         start = time.time()
         final = None
         try:
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                request_id=rid):
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
+            ):
                 final = out
         finally:
             self._busy_exit()
@@ -314,8 +318,7 @@ class VLLMEngine:
         if prompt_logprobs:
             # Entry 0 is None (the first token has no context); keep one float per prompt token.
             comp.prompt_logprobs = [  # type: ignore[attr-defined]
-                None if d is None else float(d[t].logprob)
-                for d, t in zip(final.prompt_logprobs, prompt_ids)
+                None if d is None else float(d[t].logprob) for d, t in zip(final.prompt_logprobs, prompt_ids)
             ]
         with self._lock:
             self.tokens_generated += len(token_ids)
@@ -344,8 +347,9 @@ class VLLMEngine:
         with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm) as f:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
             save_file(tensors, f.name)
-            self.wait_result(self._call(self._llm.collective_rpc("asyncrl_load_weights",
-                                                                  args=(f.name,))), timeout=300)
+            self.wait_result(
+                self._call(self._llm.collective_rpc("asyncrl_load_weights", args=(f.name,))), timeout=300
+            )
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)
         self.version = version
         return time.perf_counter() - t0
@@ -398,8 +402,9 @@ def _main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     with VLLMEngine(path) as engine:
         t0 = time.time()
-        futs = [engine.submit(tok("12%5=")["input_ids"], SamplingConfig(max_tokens=64), seed=i)
-                for i in range(32)]
+        futs = [
+            engine.submit(tok("12%5=")["input_ids"], SamplingConfig(max_tokens=64), seed=i) for i in range(32)
+        ]
         outs = [engine.wait_result(f) for f in futs]
         n = sum(len(o.token_ids) for o in outs)
         print(f"{n} tokens in {time.time() - t0:.2f} s; sample: {tok.decode(outs[0].token_ids)!r}")

@@ -64,17 +64,25 @@ class GRPOModule(L.LightningModule):
         batch = move_data_to_device(batch, self.device)
         self._wait_s += time.perf_counter() - t0
         self._current_batch = batch  # read by WeightSync.on_train_batch_end
-        logp, entropy = token_logprobs(self.policy, batch["input_ids"], batch["attention_mask"],
-                                       self.temperature, with_entropy=True)
+        logp, entropy = token_logprobs(
+            self.policy, batch["input_ids"], batch["attention_mask"], self.temperature, with_entropy=True
+        )
         mask = batch["loss_mask"]
-        loss, metrics = self.loss_fn(logp, batch["behavior_logprobs"], batch["advantages"], mask,
-                                     weights=batch["weights"])
+        loss, metrics = self.loss_fn(
+            logp, batch["behavior_logprobs"], batch["advantages"], mask, weights=batch["weights"]
+        )
         self.samples_trained += int(batch["num_samples"])
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
 
-    def _log_step(self, batch: dict[str, Any], loss: torch.Tensor, metrics: dict[str, torch.Tensor],
-                  entropy: torch.Tensor, mask: torch.Tensor) -> None:
+    def _log_step(
+        self,
+        batch: dict[str, Any],
+        loss: torch.Tensor,
+        metrics: dict[str, torch.Tensor],
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
         bs = int(mask.shape[0])
         log = partial(self.log, on_step=True, on_epoch=False, batch_size=bs)
         log("train/loss", loss.detach())
@@ -106,8 +114,10 @@ class GRPOModule(L.LightningModule):
         return named_weights(self.policy)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["asyncrl"] = {"policy_version": self.policy_version,
-                                 "samples_trained": self.samples_trained}
+        checkpoint["asyncrl"] = {
+            "policy_version": self.policy_version,
+            "samples_trained": self.samples_trained,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("asyncrl", {})

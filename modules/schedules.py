@@ -7,8 +7,9 @@ import math
 import torch
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to the base rate, then cosine decay to ``min_ratio`` of it."""
 
     def factor(step: int) -> float:

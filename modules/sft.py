@@ -50,8 +50,9 @@ class SFTModule(L.LightningModule):
         self.policy.train()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          labels=batch["labels"])
+        out = self.policy(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        )
         self.log("train/loss", out.loss, prog_bar=True)
         return out.loss
 
@@ -84,16 +85,22 @@ class SFTModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def greedy_rewards(model: Any, tokenizer: Any, task: Any, rows: list[dict],
-                   max_new_tokens: int) -> list[float]:
+def greedy_rewards(
+    model: Any, tokenizer: Any, task: Any, rows: list[dict], max_new_tokens: int
+) -> list[float]:
     """Greedy-decode each prompt with transformers and score it with the task."""
     prompts = [tokenizer(task.prompt_text(r))["input_ids"] for r in rows]
     n = max(map(len, prompts))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts])  # left padding
     mask = (torch.arange(n)[None, :] >= torch.tensor([n - len(p) for p in prompts])[:, None]).long()
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                         max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    out = model.generate(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+    )
     texts = tokenizer.batch_decode(out[:, n:], skip_special_tokens=True)
     return [task.reward(r, t) for r, t in zip(rows, texts)]

@@ -24,9 +24,11 @@ def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl-
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=[f"paths.root_dir={ROOT}",
-                                                f"paths.output_dir={output_dir}", *(overrides or [])],
-                            return_hydra_config=False)
+        cfg = hydra_compose(
+            "train",
+            overrides=[f"paths.root_dir={ROOT}", f"paths.output_dir={output_dir}", *(overrides or [])],
+            return_hydra_config=False,
+        )
     return cfg
 
 

@@ -38,8 +38,9 @@ def test_recipe_header_says_how_to_run_it(recipe):
 
 
 def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize(

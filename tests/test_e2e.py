@@ -5,10 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -17,15 +21,29 @@ from tests.conftest import ROOT, SHRINK
 pytestmark = pytest.mark.e2e
 
 REQUIRED = [
-    "train/reward_mean", "train/loss", "train/clip_frac", "train/kl_behavior", "train/entropy",
-    "train/response_len_mean", "rollout/policy_version", "perf/samples_per_s", "perf/weight_sync_s",
-    "perf/trainer_idle_frac", "perf/engine_idle_frac", "eval/reward_mean",
+    "train/reward_mean",
+    "train/loss",
+    "train/clip_frac",
+    "train/kl_behavior",
+    "train/entropy",
+    "train/response_len_mean",
+    "rollout/policy_version",
+    "perf/samples_per_s",
+    "perf/weight_sync_s",
+    "perf/trainer_idle_frac",
+    "perf/engine_idle_frac",
+    "eval/reward_mean",
 ]
 
 
 def train(run_dir: Path, *overrides: str) -> list[dict[str, str]]:
-    proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(run_dir / "metrics.csv") as f:
         return list(csv.DictReader(f))
@@ -34,9 +52,16 @@ def train(run_dir: Path, *overrides: str) -> list[dict[str, str]]:
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
     steps = 4
-    rows = train(tmp_path, "recipe=sync_grpo", *SHRINK, f"model.path={models['tied']}",
-                 "task._target_=tests.helpers.DigitShareTask", f"trainer.max_steps={steps}",
-                 f"algo.minibatches={minibatches}", "callbacks.weight_sync.verify=true")
+    rows = train(
+        tmp_path,
+        "recipe=sync_grpo",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "task._target_=tests.helpers.DigitShareTask",
+        f"trainer.max_steps={steps}",
+        f"algo.minibatches={minibatches}",
+        "callbacks.weight_sync.verify=true",
+    )
     assert set(REQUIRED) <= set(rows[0].keys())
     train_rows = [r for r in rows if r["train/loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(steps))
@@ -59,10 +84,63 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
 
 def test_sft_warmup_smoke(tmp_path, models):
     out_model = tmp_path / "sft-model"
-    rows = train(tmp_path, "recipe=sft_warmup", "trainer.max_steps=4", "trainer.val_check_interval=2",
-                 "data.train_size=256", "data.eval_size=16", "data.batch_size=16",
-                 f"model.base_path={models['tied']}", f"model.path={out_model}")
+    rows = train(
+        tmp_path,
+        "recipe=sft_warmup",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "data.train_size=256",
+        "data.eval_size=16",
+        "data.batch_size=16",
+        f"model.base_path={models['tied']}",
+        f"model.path={out_model}",
+    )
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert any(r.get("eval/reward_mean") for r in rows)
     assert (out_model / "config.json").exists() and (out_model / "tokenizer.json").exists()
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return out
+
+
+def wait_gone(sid: int, seconds: float = 30) -> list[psutil.Process]:
+    deadline = time.monotonic() + seconds
+    while (alive := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
+
+
+def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "recipe=sync_grpo", *SHRINK,
+         f"model.path={models['tied']}", "task._target_=tests.helpers.FailingRewardTask", "data.eval_size=0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "RewardError" in err and "reward server unavailable" in err
+    assert not wait_gone(proc.pid), "engine processes outlived the failed run"
+
+
+def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "recipe=sync_grpo", *SHRINK,
+         f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask",
+         "trainer.max_steps=1000"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = tmp_path / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"

@@ -44,8 +44,9 @@ def engine_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
 
 def test_requests_complete_out_of_order(engine):
     long = engine.submit([5, 6, 7], SamplingConfig(max_tokens=200, ignore_eos=True), seed=0)
-    shorts = [engine.submit([5, 6, 7], SamplingConfig(max_tokens=4, ignore_eos=True), seed=i)
-              for i in range(1, 5)]
+    shorts = [
+        engine.submit([5, 6, 7], SamplingConfig(max_tokens=4, ignore_eos=True), seed=i) for i in range(1, 5)
+    ]
     short_out = [engine.wait_result(f, timeout=60) for f in shorts]
     assert not long.done()  # the long request is still generating when the short ones return
     long_out = engine.wait_result(long, timeout=120)
@@ -60,8 +61,10 @@ def test_behaviour_logprobs_match_transformers(engine, models, temperature):
     model.eval()
     prompt = tok("47%5=")["input_ids"]
     for seed in range(3):
-        c = engine.wait_result(engine.submit(prompt, SamplingConfig(temperature=temperature, max_tokens=40),
-                                             seed=seed), timeout=60)
+        c = engine.wait_result(
+            engine.submit(prompt, SamplingConfig(temperature=temperature, max_tokens=40), seed=seed),
+            timeout=60,
+        )
         mine = trainer_logprobs(model, prompt, c.token_ids, temperature)
         assert len(c.logprobs) == len(c.token_ids) > 0
         assert (mine - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
@@ -92,7 +95,9 @@ def _check_sync(eng: VLLMEngine, model_path) -> None:
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
     assert (lp[0] - engine_scores).abs().max().item() < 1e-4
-    assert (torch.tensor(before.logprobs) - trainer_logprobs(model, prompt, before.token_ids, 1.0)).abs().max() > 1e-3
+    assert (
+        torch.tensor(before.logprobs) - trainer_logprobs(model, prompt, before.token_ids, 1.0)
+    ).abs().max() > 1e-3
     # the output labels which policy version produced the tokens
     assert after.version_spans == [(eng.version, 0, len(after.token_ids))]
 

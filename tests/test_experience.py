@@ -7,10 +7,23 @@ from modules.experience import Experience, collate
 
 
 def make(prompt, response, lps, version=3, spans=None, mask=None):
-    return Experience(prompt_id=0, group_id=0, sample_index=0, prompt_ids=prompt, response_ids=response,
-                      behavior_logprobs=lps, reward=1.0, policy_version=version, sampling={"temperature": 1.0},
-                      gen_start=0.0, gen_end=1.0, truncated=False, advantage=0.5,
-                      version_spans=spans or [], loss_mask=mask)
+    return Experience(
+        prompt_id=0,
+        group_id=0,
+        sample_index=0,
+        prompt_ids=prompt,
+        response_ids=response,
+        behavior_logprobs=lps,
+        reward=1.0,
+        policy_version=version,
+        sampling={"temperature": 1.0},
+        gen_start=0.0,
+        gen_end=1.0,
+        truncated=False,
+        advantage=0.5,
+        version_spans=spans or [],
+        loss_mask=mask,
+    )
 
 
 def test_collate_aligns_response_tokens_with_targets():

