@@ -41,7 +41,6 @@ class RolloutDataModule(L.LightningDataModule):
         eval_size: int = 256,
         eval_max_tokens: int | None = None,
         seed: int = 0,
-        reward_workers: int = 1,
     ) -> None:
         super().__init__()
         check(
@@ -70,8 +69,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer: Any = None
         self.prompts: PromptStream | None = None
         self._pending_state: dict[str, Any] | None = None
-        self.samples_trained = 0
-        self.rollout_wait_s = 0.0  # trainer time spent blocked on rollout
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, stage: str | None = None) -> None:
@@ -108,7 +105,6 @@ class RolloutDataModule(L.LightningDataModule):
             t0 = time.perf_counter()
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
-            self.rollout_wait_s += waited
             stats = rollout_stats(exps)
             stats["perf/rollout_wait_s"] = waited
             n = len(exps)
@@ -164,7 +160,6 @@ class RolloutDataModule(L.LightningDataModule):
         return {
             "prompts": self.prompts.state_dict() if self.prompts else None,
             "rollout": self.rollout.state_dict(),
-            "samples_trained": self.samples_trained,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -177,7 +172,6 @@ class RolloutDataModule(L.LightningDataModule):
         if state.get("prompts") and self.prompts is not None:
             self.prompts.load_state_dict(state["prompts"])
         self.rollout.load_state_dict(state["rollout"])
-        self.samples_trained = int(state.get("samples_trained", 0))
 
 
 class _RolloutStream(IterableDataset):

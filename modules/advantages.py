@@ -30,7 +30,12 @@ class GroupAdvantage:
     """Config-selectable wrapper: ``algo.advantage`` in the config."""
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6) -> None:
-        check("algo.advantage.eps", eps, eps >= 0, "a float >= 0")
+        check(
+            "algo.advantage.eps",
+            eps,
+            eps > 0 or not scale_by_std,
+            "a float > 0 when scale_by_std (equal rewards would give 0/0)",
+        )
         self.scale_by_std = scale_by_std
         self.eps = eps
 

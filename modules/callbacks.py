@@ -73,6 +73,7 @@ class WeightSync(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sync(trainer, pl_module, pl_module.policy_version)
+        self.synced_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
         batch = getattr(pl_module, "_current_batch", None)
@@ -81,17 +82,27 @@ class WeightSync(L.Callback):
         n = int(batch["attention_mask"][0].sum())
         self.last_probe = batch["input_ids"][0, :n].tolist()
         self._sync(trainer, pl_module, pl_module.policy_version + 1)
+        self.synced_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # max_steps may stop mid rollout batch: sync the updates made since the last sync, so
+        # the final evaluation and the saved model describe the same policy.
+        if trainer.global_step != self.synced_step:
+            self._sync(trainer, pl_module, pl_module.policy_version + 1)
+            self.synced_step = trainer.global_step
 
 
 class HeldOutEval(L.Callback):
-    """Greedy held-out reward from the engine at start, every N optimizer steps, and at the end.
+    """Greedy held-out reward from the engine: at start, every N policy versions, at the end.
 
-    Writes ``eval/*`` to the loggers and ``eval_summary.json`` (first and last evaluation)
-    in the run directory.
+    Counting policy versions (weight syncs), not optimizer steps, means the engine always
+    evaluates the weights the trainer has. Writes ``eval/*`` to the loggers and
+    ``eval_summary.json`` (first, last and all evaluations) in the run directory.
+    Must come after ``WeightSync`` in the callback list.
     """
 
-    def __init__(self, every_n_steps: int = 20) -> None:
-        self.every_n_steps = every_n_steps
+    def __init__(self, every_n_versions: int = 20) -> None:
+        self.every_n_versions = every_n_versions
         self.history: list[dict[str, float]] = []
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -101,11 +112,14 @@ class HeldOutEval(L.Callback):
         if not metrics:
             return
         metrics["step"] = trainer.global_step
+        metrics["policy_version"] = pl_module.policy_version
         self.history.append(metrics)
         for logger in trainer.loggers:
-            logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=trainer.global_step)
+            logger.log_metrics(
+                {k: v for k, v in metrics.items() if k.startswith("eval/")}, step=trainer.global_step
+            )
         for k, v in metrics.items():
-            if k != "step":
+            if k.startswith("eval/"):
                 trainer.callback_metrics[k] = torch.tensor(v)
         if trainer.log_dir:
             out = {"first": self.history[0], "last": self.history[-1], "history": self.history}
@@ -115,13 +129,13 @@ class HeldOutEval(L.Callback):
         self._run(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        step = trainer.global_step
-        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_step():
+        version = pl_module.policy_version
+        if self.every_n_versions and version % self.every_n_versions == 0 and version != self._last_version():
             self._run(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step != self._last_step():
+        if pl_module.policy_version != self._last_version():
             self._run(trainer, pl_module)
 
-    def _last_step(self) -> int:
-        return int(self.history[-1]["step"]) if self.history else -1
+    def _last_version(self) -> int:
+        return int(self.history[-1]["policy_version"]) if self.history else -1

@@ -69,10 +69,15 @@ class SamplingConfig:
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
 
     def __post_init__(self) -> None:
-        check("sampling.temperature", self.temperature, self.temperature >= 0, "a float >= 0 (0 = greedy)")
-        check("sampling.top_p", self.top_p, 0 < self.top_p <= 1, "a float in (0, 1]")
-        check("sampling.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
-        check("sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
+        check(
+            "rollout.sampling.temperature",
+            self.temperature,
+            self.temperature >= 0,
+            "a float >= 0 (0 = greedy)",
+        )
+        check("rollout.sampling.top_p", self.top_p, 0 < self.top_p <= 1, "a float in (0, 1]")
+        check("rollout.sampling.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
+        check("rollout.sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -103,7 +108,9 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
         startup_timeout_s: float = 300.0,
+        stall_timeout_s: float = 600.0,
         health_poll_s: float = 0.5,
+        pin_trainer: bool = True,
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
         check("engine.max_num_seqs", max_num_seqs, max_num_seqs >= 1, "an int >= 1")
@@ -113,6 +120,8 @@ class VLLMEngine:
             dtype in ("float32", "bfloat16", "float16", "auto"),
             "one of float32, bfloat16, float16, auto",
         )
+        check("engine.stall_timeout_s", stall_timeout_s, stall_timeout_s > 0, "a float > 0")
+        check("engine.gpu_ids", gpu_ids, gpu_ids is None or len(gpu_ids) >= 1, "null or a non-empty list")
         self.model_path = str(model_path)
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -124,7 +133,9 @@ class VLLMEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
         self.startup_timeout_s = startup_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.health_poll_s = health_poll_s
+        self.pin_trainer = pin_trainer
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -145,16 +156,36 @@ class VLLMEngine:
         if self._thread is not None:
             return self
         if not Path(self.model_path, "config.json").exists():
-            raise EngineError(f"engine.model_path={self.model_path!r} has no config.json")
+            raise EngineError(
+                f"engine.model_path={self.model_path!r} holds no model (no config.json); "
+                "the RL recipes start from the SFT warm start: run `make sft` first"
+            )
         self._configure_placement()
         self._thread = threading.Thread(target=self._thread_main, name="asyncrl-engine", daemon=True)
         self._thread.start()
-        if not self._ready.wait(self.startup_timeout_s):
-            raise EngineError(f"engine did not start within {self.startup_timeout_s:.0f} s")
+        try:
+            if not self._ready.wait(self.startup_timeout_s):
+                raise EngineError(f"engine did not start within {self.startup_timeout_s:.0f} s")
+        except BaseException:  # timeout or Ctrl-C during start-up: leave nothing behind
+            self.shutdown()
+            raise
         if self._error is not None:
-            raise EngineError(f"engine failed to start: {self._error!r}") from self._error
+            err = self._error
+            self.shutdown()
+            raise EngineError(f"engine failed to start: {err!r}") from err
         self.started_at = time.time()
+        self._pin_trainer()
         return self
+
+    def _pin_trainer(self) -> None:
+        """Keep the trainer process off the engine's cores (threads created later inherit)."""
+        if not (self.pin_trainer and self.gpu_ids is None and self.cpu_cores):
+            return
+        if not hasattr(os, "sched_setaffinity"):
+            return
+        rest = os.sched_getaffinity(0) - _parse_cores(str(self.cpu_cores))
+        if rest:
+            os.sched_setaffinity(0, rest)
 
     def _configure_placement(self) -> None:
         # The engine's worker processes inherit this environment.
@@ -203,12 +234,16 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="modules.weight_sync.WeightSyncExtension",
             gpu_memory_utilization=self.gpu_memory_utilization,
+            tensor_parallel_size=len(self.gpu_ids) if self.gpu_ids else 1,
             disable_log_stats=True,
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
     def shutdown(self) -> None:
         """Stop the engine and its child processes. Safe to call twice."""
+        if self._thread is not None and self._thread.is_alive() and not self._ready.is_set():
+            # Interrupted during start-up: let the build finish so its processes can be reaped.
+            self._ready.wait(self.startup_timeout_s)
         llm, loop, thread = self._llm, self._loop, self._thread
         self._llm = None
         if llm is not None and loop is not None and thread is not None and thread.is_alive():
@@ -241,7 +276,18 @@ class VLLMEngine:
             raise EngineError("engine is not running (never started, shut down, or its thread died)")
         llm = self._llm
         if llm is not None and getattr(llm, "errored", False):
-            raise EngineError(f"engine core died: {getattr(llm, 'dead_error', 'unknown cause')!r}")
+            raise EngineError(f"vLLM engine core died ({self._death_cause()})")
+
+    def _death_cause(self) -> str:
+        """Exit codes of finished engine processes, if vLLM exposes them."""
+        try:
+            procs = self._llm.engine_core.resources.engine_manager.finished_procs()
+        except Exception:
+            procs = {}
+        if not procs:
+            return "cause unknown; see the engine log above"
+        codes = ", ".join(f"{name} exit code {code}" for name, code in procs.items())
+        return codes + (" (killed by a signal)" if any(c < 0 for c in procs.values()) else "")
 
     def wait_result(self, fut: cf.Future, timeout: float | None = None) -> Any:
         """``fut.result()`` that checks engine health while waiting."""
@@ -305,6 +351,12 @@ class VLLMEngine:
                 TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
             ):
                 final = out
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if getattr(self._llm, "errored", False) or type(e).__name__ == "EngineDeadError":
+                raise EngineError(f"vLLM engine core died while serving {rid} ({self._death_cause()})") from e
+            raise
         finally:
             self._busy_exit()
         end = time.time()
@@ -343,13 +395,15 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm) as f:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=_scratch_dir(nbytes)) as f:
             save_file(tensors, f.name)
             self.wait_result(
                 self._call(self._llm.collective_rpc("asyncrl_load_weights", args=(f.name,))), timeout=300
             )
+        # Cached prompt KV was computed by the old weights: never reuse it for the new policy.
+        self.wait_result(self._call(self._llm.reset_prefix_cache()), timeout=60)
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)
         self.version = version
         return time.perf_counter() - t0
@@ -377,6 +431,28 @@ class VLLMEngine:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+
+def _scratch_dir(nbytes: int) -> str | None:
+    """/dev/shm when it has room (a RAM-backed hand-off), else the default temp dir."""
+    import shutil
+
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
+        return "/dev/shm"
+    return None
+
+
+def _parse_cores(spec: str) -> set[int]:
+    """'1', '0-3', '0,2,4-5' -> set of core ids."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            cores.update(range(int(lo), int(hi) + 1))
+        elif part:
+            cores.add(int(part))
+    return cores
 
 
 async def _shutdown_llm(llm: Any) -> None:

@@ -48,6 +48,7 @@ class GRPOModule(L.LightningModule):
         self.last_weight_sync_s = 0.0
         self.last_weight_sync_diff = 0.0  # engine vs trainer logprobs after the last sync
         self._t_start: float | None = None
+        self._samples_at_start = 0
         self._wait_s = 0.0
 
     def configure_model(self) -> None:
@@ -59,6 +60,7 @@ class GRPOModule(L.LightningModule):
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
         if self._t_start is None:
             self._t_start = time.perf_counter()
+            self._samples_at_start = self.samples_trained  # nonzero after a resume
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)
         batch = move_data_to_device(batch, self.device)
@@ -98,7 +100,7 @@ class GRPOModule(L.LightningModule):
         log("rollout/staleness_mean", staleness.mean())
         log("rollout/staleness_max", staleness.max())
         elapsed = max(time.perf_counter() - (self._t_start or time.perf_counter()), 1e-9)
-        log("perf/samples_per_s", self.samples_trained / elapsed, prog_bar=True)
+        log("perf/samples_per_s", (self.samples_trained - self._samples_at_start) / elapsed, prog_bar=True)
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)

@@ -40,7 +40,7 @@ SHRINK = [
     "rollout.sampling.max_tokens=48",
     "data.eval_size=8",
     "data.train_size=256",
-    "callbacks.eval.every_n_steps=2",
+    "callbacks.eval.every_n_versions=2",
 ]
 
 
@@ -60,6 +60,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def engine(models):
     from modules.engine import VLLMEngine
 
-    eng = VLLMEngine(str(models["tied"]), max_model_len=256, max_num_seqs=64).start()
+    eng = VLLMEngine(str(models["tied"]), max_model_len=320, max_num_seqs=64).start()
     yield eng
     eng.shutdown()

@@ -121,9 +121,22 @@ def wait_gone(sid: int, seconds: float = 30) -> list[psutil.Process]:
 
 def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
     proc = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "recipe=sync_grpo", *SHRINK,
-         f"model.path={models['tied']}", "task._target_=tests.helpers.FailingRewardTask", "data.eval_size=0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={tmp_path}",
+            "recipe=sync_grpo",
+            *SHRINK,
+            f"model.path={models['tied']}",
+            "task._target_=tests.helpers.FailingRewardTask",
+            "data.eval_size=0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "RewardError" in err and "reward server unavailable" in err
@@ -132,15 +145,27 @@ def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
 
 def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
     proc = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "recipe=sync_grpo", *SHRINK,
-         f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask",
-         "trainer.max_steps=1000"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={tmp_path}",
+            "recipe=sync_grpo",
+            *SHRINK,
+            f"model.path={models['tied']}",
+            "task._target_=tests.helpers.DigitShareTask",
+            "trainer.max_steps=1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "metrics.csv"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     proc.communicate(timeout=120)
     assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"

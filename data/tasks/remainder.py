@@ -35,10 +35,15 @@ def solve(a: int, b: int) -> str:
     return ",".join(map(str, values)) + "."
 
 
-def make_problem(rng: random.Random, level: int) -> dict:
+def make_problem(rng: random.Random, level: int, max_value: int = 99, max_divisor: int = 3) -> dict:
+    """A problem of the given level with ``a <= max_value`` and ``b <= max_divisor``.
+
+    Small numbers keep each step a lookup a 0.8M-parameter model learns in minutes; the
+    chain length (set by the level) is what makes a prompt hard.
+    """
     lo, hi = LEVELS[level]
     steps = rng.randint(lo, hi)
-    b = rng.randint(2, 9)
+    b = rng.randint(1, max(1, min(max_divisor, max_value // (steps + 1))))
     r = rng.randint(0, b - 1)
     a = steps * b + r
     return {"prompt": f"{a}%{b}=", "answer": solve(a, b), "level": level, "steps": steps}
@@ -49,6 +54,7 @@ class RemainderTask:
     """Generates the dataset and scores responses. Every split is a pure function of the seed."""
 
     level_weights: tuple[float, ...] = (0.6, 0.3, 0.1)
+    max_divisor: int = 3
     seed: int = 0
     name: str = "remainder"
 
@@ -74,7 +80,7 @@ class RemainderTask:
         rng = random.Random(self.seed * 1000 + offsets[split])
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         levels = rng.choices(range(len(LEVELS)), weights=weights, k=size)
-        rows = [make_problem(rng, lv) for lv in levels]
+        rows = [make_problem(rng, lv, max_divisor=self.max_divisor) for lv in levels]
         for i, row in enumerate(rows):
             row["id"] = i
         return Dataset.from_list(rows)

@@ -97,6 +97,20 @@ class RolloutController:
             sampling.temperature > 0,
             "a float > 0 (training samples need a proper distribution)",
         )
+        # The trainer recomputes logprobs as log_softmax(logits / T); truncated distributions
+        # (top-p / top-k) would make behaviour and trainer logprobs disagree.
+        check(
+            "rollout.sampling.top_p",
+            sampling.top_p,
+            sampling.top_p == 1.0,
+            "1.0 (the trainer does not recompute top-p truncated distributions)",
+        )
+        check(
+            "rollout.sampling.top_k",
+            sampling.top_k,
+            sampling.top_k == -1,
+            "-1 (the trainer does not recompute top-k truncated distributions)",
+        )
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.sampling = sampling
@@ -166,13 +180,25 @@ class RolloutController:
         self.next_group_id = int(state["next_group_id"])
 
 
-def wait_any(engine: VLLMEngine, pending: set[cf.Future], poll_s: float = 0.5) -> set[cf.Future]:
-    """Block until at least one future is done, checking engine health while waiting."""
+def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
+    """Block until at least one future is done, checking engine health while waiting.
+
+    Raises ``EngineError`` if the engine dies, or if nothing finishes within
+    ``engine.stall_timeout_s`` (a live but stuck engine must not hang training).
+    """
+    from modules.engine import EngineError
+
+    deadline = time.monotonic() + engine.stall_timeout_s
     while True:
-        done, _ = cf.wait(pending, timeout=poll_s, return_when=cf.FIRST_COMPLETED)
+        done, _ = cf.wait(pending, timeout=engine.health_poll_s, return_when=cf.FIRST_COMPLETED)
         if done:
             return done
         engine.check_health()
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"no response finished within engine.stall_timeout_s={engine.stall_timeout_s:g} s "
+                f"({len(pending)} requests in flight): engine stalled"
+            )
 
 
 def now() -> float:
