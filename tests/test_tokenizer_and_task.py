@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from data.tasks.remainder import LEVELS, RemainderTask, solve
+from recipes.remainder import LEVELS, RemainderTask, solve
 from modules.tiny_model import build_char_tokenizer
 
 

@@ -1,18 +1,19 @@
 """Default task: remainder by repeated subtraction, with a scratchpad the verifier checks.
 
-Prompt ``"47%5="``; correct response ``"42,37,32,27,22,17,12,7,2."`` then end-of-sequence:
+Prompt ``"21%2="``; correct response ``"19,17,15,13,11,9,7,5,3,1."`` then end-of-sequence:
 every value ``a - k*b`` down to ``a mod b``. The number of steps is ``a // b``, so the
-difficulty level sets the response length: level 0 takes 1-3 steps (~6 characters), level 2
-takes 13-40 steps (~100 characters), a >10x spread, and the default mix is long-tailed
-(most prompts short, a few long), which is what makes a synchronous barrier costly.
+difficulty level sets the response length: level 0 takes 1-3 steps (about 4 characters),
+level 1 4-12 steps (about 18), level 2 13-40 steps (about 73), an 18x spread; the default mix
+(60/30/10 %) is long-tailed, which is what makes a synchronous barrier costly.
 
 Reward is 1.0 only if the whole scratchpad is right (a guessed final number earns nothing),
-so a per-step error rate e gives accuracy (1-e)^steps: harder prompts fail more often.
+so a per-step error rate e gives accuracy (1-e)^steps: longer prompts fail more often.
 
-    python -m data.tasks.remainder      # print a few examples
+    python -m recipes.remainder      # print a few examples
 
-To make a new task, copy this file (keep the ``build``/``reward`` signatures) and point a
-``conf/task/<name>.yaml`` at it.
+This file is the task of the recipes next to it (``sft_warmup``, ``sync_grpo``). For a new
+task copy it (keep ``build`` / ``prompt_text`` / ``reward``) and point a recipe's ``task``
+at it (see README, "Copying a recipe").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def solve(a: int, b: int) -> str:
     return ",".join(map(str, values)) + "."
 
 
-def make_problem(rng: random.Random, level: int, max_value: int = 99, max_divisor: int = 3) -> dict:
+def make_problem(rng: random.Random, level: int, max_value: int = 99, max_divisor: int = 2) -> dict:
     """A problem of the given level with ``a <= max_value`` and ``b <= max_divisor``.
 
     Small numbers keep each step a lookup a 0.8M-parameter model learns in minutes; the
@@ -54,7 +55,7 @@ class RemainderTask:
     """Generates the dataset and scores responses. Every split is a pure function of the seed."""
 
     level_weights: tuple[float, ...] = (0.6, 0.3, 0.1)
-    max_divisor: int = 3
+    max_divisor: int = 2
     seed: int = 0
     name: str = "remainder"
 
