@@ -93,6 +93,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.shutdown()
 
     def shutdown(self) -> None:
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ training stream
@@ -105,7 +108,7 @@ class RolloutDataModule(L.LightningDataModule):
             t0 = time.perf_counter()
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
-            stats = rollout_stats(exps)
+            stats = {**rollout_stats(exps), **getattr(self.rollout, "stats", {})}
             stats["perf/rollout_wait_s"] = waited
             n = len(exps)
             for epoch in range(self.epochs):
@@ -122,7 +125,9 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
-        return self.engine.update_weights(named_tensors, version)
+        return self.engine.update_weights(
+            named_tensors, version, inflight=getattr(self.rollout, "inflight", "keep")
+        )
 
     def evaluate(self, greedy: bool = True) -> dict[str, float]:
         """Held-out reward from the engine: mean and per difficulty level."""

@@ -390,11 +390,24 @@ class VLLMEngine:
         self.wait_result(self._call(self._llm.abort(request_id)), timeout=30)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
-        """Load new policy weights (HF names) and label them ``version``. Returns seconds."""
+    def update_weights(
+        self, named_tensors: dict[str, torch.Tensor], version: int, inflight: str = "keep"
+    ) -> float:
+        """Load new policy weights (HF names) and label them ``version``. Returns seconds.
+
+        ``inflight`` says what happens to requests still generating:
+        ``keep``: frozen, then continued with the new weights (tokens carry both versions;
+        the KV cache is cleared, so later tokens are computed by the new policy alone);
+        ``abort``: they finish now with ``finish_reason="abort"`` and their partial tokens
+        (the rollout controller resubmits prompt + partial response);
+        ``wait``: the update waits until they finish (a generation boundary).
+        """
         from safetensors.torch import save_file
 
+        check("rollout.inflight", inflight, inflight in ("keep", "abort", "wait"), "one of keep, abort, wait")
         t0 = time.perf_counter()
+        # clear_cache=True always: stale KV would make later tokens match neither policy.
+        self.wait_result(self._call(self._llm.pause_generation(mode=inflight, clear_cache=True)))
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=_scratch_dir(nbytes)) as f:
@@ -406,6 +419,7 @@ class VLLMEngine:
         self.wait_result(self._call(self._llm.reset_prefix_cache()), timeout=60)
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)
         self.version = version
+        self.wait_result(self._call(self._llm.resume_generation()), timeout=60)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ accounting

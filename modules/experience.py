@@ -36,6 +36,9 @@ class Experience:
     loss_mask: list[int] | None = None
     difficulty: int | None = None  # task-defined bucket (e.g. level), for bias metrics
     weight: float = 1.0  # per-sample loss weight (staleness policies may change it)
+    splits: int = 0  # times the request was aborted and resubmitted (carried over)
+    staleness: int = 0  # trainer version at consumption minus the oldest token's version
+    recompute: bool = False  # replace behaviour logprobs by the trainer's current ones
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,4 +92,6 @@ def collate(batch: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
         "policy_versions": torch.tensor([e.policy_version for e in batch], dtype=torch.long),
         "response_lengths": torch.tensor([len(e.response_ids) for e in batch], dtype=torch.long),
         "truncated": torch.tensor([e.truncated for e in batch], dtype=torch.bool),
+        "recompute": torch.tensor([e.recompute for e in batch], dtype=torch.bool),
+        "staleness": torch.tensor([e.staleness for e in batch], dtype=torch.long),
     }

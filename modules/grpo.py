@@ -70,9 +70,13 @@ class GRPOModule(L.LightningModule):
             self.policy, batch["input_ids"], batch["attention_mask"], self.temperature, with_entropy=True
         )
         mask = batch["loss_mask"]
-        loss, metrics = self.loss_fn(
-            logp, batch["behavior_logprobs"], batch["advantages"], mask, weights=batch["weights"]
-        )
+        behavior = batch["behavior_logprobs"]
+        recompute = batch.get("recompute")
+        if recompute is not None and bool(recompute.any()):
+            # Staleness policy `recompute`: the current policy's logprobs become the behaviour
+            # logprobs (ratio starts at 1); the tokens are still the old policy's samples.
+            behavior = torch.where(recompute[:, None], logp.detach(), behavior)
+        loss, metrics = self.loss_fn(logp, behavior, batch["advantages"], mask, weights=batch["weights"])
         self.samples_trained += int(batch["num_samples"])
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
@@ -96,7 +100,13 @@ class GRPOModule(L.LightningModule):
         for k, v in stats.items():
             log(k, float(v), prog_bar=k == "train/reward_mean")
         log("rollout/policy_version", float(self.policy_version))
-        staleness = self.policy_version - batch["policy_versions"].float()
+        # Staleness from the data itself: current version minus each sample's oldest token.
+        big = torch.iinfo(torch.long).max
+        versions = torch.where(
+            mask > 0, batch["token_versions"], torch.full_like(batch["token_versions"], big)
+        )
+        oldest = torch.minimum(versions.min(dim=1).values, batch["policy_versions"])
+        staleness = (self.policy_version - oldest).float()
         log("rollout/staleness_mean", staleness.mean())
         log("rollout/staleness_max", staleness.max())
         elapsed = max(time.perf_counter() - (self._t_start or time.perf_counter()), 1e-9)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from modules.engine import Completion, SamplingConfig, VLLMEngine
@@ -67,13 +67,24 @@ class RolloutContext:
 
 @dataclass
 class Pending:
-    """A submitted request and what it belongs to."""
+    """A submitted request and what it belongs to.
+
+    A request aborted at a weight sync is resubmitted as prompt + partial response; the
+    ``prefix_*`` fields carry what was generated before, so tokens, behaviour logprobs and
+    version spans stay aligned across the split.
+    """
 
     row: dict
     group_id: int
     sample_index: int
     seed: int
-    policy_version: int
+    policy_version: int  # engine version when the first token was requested
+    prompt_ids: list[int] = field(default_factory=list)
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_logprobs: list[float] = field(default_factory=list)
+    prefix_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    splits: int = 0
+    gen_start: float | None = None
 
 
 class RolloutController:
@@ -131,15 +142,53 @@ class RolloutController:
         out = {}
         for i in range(self.group_size):
             seed = (ctx.seed * 1_000_003 + gid * 1009 + i) % (2**31)
-            fut = ctx.engine.submit(prompt_ids, self.sampling, seed=seed, request_id=f"g{gid}-s{i}")
-            out[fut] = Pending(row, gid, i, seed, ctx.engine.version)
+            p = Pending(row, gid, i, seed, ctx.engine.version, prompt_ids=list(prompt_ids))
+            out[self.submit(p)] = p
         return out
+
+    def submit(self, p: Pending) -> cf.Future:
+        """Send one (possibly continued) request to the engine."""
+        ctx = self.ctx
+        assert ctx is not None
+        remaining = self.sampling.max_tokens - len(p.prefix_ids)
+        sampling = replace(self.sampling, max_tokens=max(1, remaining))
+        seed = (p.seed + 7919 * p.splits) % (2**31)
+        rid = f"g{p.group_id}-s{p.sample_index}" + (f"-c{p.splits}" if p.splits else "")
+        return ctx.engine.submit(p.prompt_ids + p.prefix_ids, sampling, seed=seed, request_id=rid)
+
+    def continuation(self, comp: Completion, p: Pending) -> Pending:
+        """The pending request that resumes an aborted one from its partial response."""
+        off = len(p.prefix_ids)
+        spans = [(v, s + off, e + off) for v, s, e in comp.version_spans] or [
+            (p.policy_version, off, off + len(comp.token_ids))
+        ]
+        return replace(
+            p,
+            prefix_ids=p.prefix_ids + list(comp.token_ids),
+            prefix_logprobs=p.prefix_logprobs + list(comp.logprobs),
+            prefix_spans=_merge_spans(p.prefix_spans + spans),
+            splits=p.splits + 1,
+            gen_start=p.gen_start if p.gen_start is not None else comp.start_time,
+        )
+
+    def is_unfinished(self, comp: Completion, p: Pending) -> bool:
+        """Aborted with token budget left: resubmit rather than train on it."""
+        return (
+            comp.finish_reason == "abort"
+            and len(p.prefix_ids) + len(comp.token_ids) < self.sampling.max_tokens
+        )
 
     def to_experience(self, comp: Completion, p: Pending) -> Experience:
         """Score a finished response (reward runs here, as soon as it finishes)."""
         ctx = self.ctx
         assert ctx is not None
-        text = ctx.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+        token_ids = p.prefix_ids + list(comp.token_ids)
+        logprobs = p.prefix_logprobs + list(comp.logprobs)
+        off = len(p.prefix_ids)
+        spans = p.prefix_spans + [(v, s + off, e + off) for v, s, e in comp.version_spans]
+        if not spans:
+            spans = [(p.policy_version, 0, len(token_ids))]
+        text = ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
         try:
             reward = float(ctx.task.reward(p.row, text))
         except Exception as e:
@@ -148,18 +197,19 @@ class RolloutController:
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,
             sample_index=p.sample_index,
-            prompt_ids=list(comp.prompt_ids),
-            response_ids=list(comp.token_ids),
-            behavior_logprobs=list(comp.logprobs),
+            prompt_ids=list(p.prompt_ids or comp.prompt_ids),
+            response_ids=token_ids,
+            behavior_logprobs=logprobs,
             reward=reward,
             policy_version=p.policy_version,
             sampling={**self.sampling.as_dict(), "seed": p.seed},
-            gen_start=comp.start_time,
+            gen_start=p.gen_start if p.gen_start is not None else comp.start_time,
             gen_end=comp.end_time,
-            truncated=comp.truncated,
+            truncated=comp.truncated or len(token_ids) >= self.sampling.max_tokens,
             finish_reason=comp.finish_reason,
-            version_spans=comp.version_spans or [(p.policy_version, 0, len(comp.token_ids))],
+            version_spans=_merge_spans(spans),
             difficulty=p.row.get("level"),
+            splits=p.splits,
         )
 
     def finish_group(self, group: list[Experience]) -> list[Experience]:
@@ -180,6 +230,19 @@ class RolloutController:
         self.next_group_id = int(state["next_group_id"])
 
 
+def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Join adjacent spans of the same version: [(3,0,4),(3,4,9)] -> [(3,0,9)]."""
+    out: list[tuple[int, int, int]] = []
+    for v, s, e in spans:
+        if e <= s:
+            continue
+        if out and out[-1][0] == v and out[-1][2] == s:
+            out[-1] = (v, out[-1][1], e)
+        else:
+            out.append((v, s, e))
+    return out
+
+
 def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
     """Block until at least one future is done, checking engine health while waiting.
 
@@ -188,6 +251,10 @@ def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
     """
     from modules.engine import EngineError
 
+    if hasattr(engine, "advance"):  # virtual-clock test engine: jump to the next completion
+        while not any(f.done() for f in pending):
+            engine.advance()
+        return {f for f in pending if f.done()}
     deadline = time.monotonic() + engine.stall_timeout_s
     while True:
         done, _ = cf.wait(pending, timeout=engine.health_poll_s, return_when=cf.FIRST_COMPLETED)

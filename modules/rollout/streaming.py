@@ -1,0 +1,324 @@
+"""Rollout without a global barrier: streaming (continuous) and partial (over-provisioned).
+
+``StreamingRollout`` keeps up to ``max_inflight`` groups generating at all times. Each
+response is scored as it finishes; a group is released to the FIFO buffer only when all G of
+its responses are in (a long response delays only its own group). ``next_batch`` returns as
+soon as ``prompts_per_step`` complete groups are available; groups whose staleness exceeds
+``max_staleness`` go through the staleness policy (``modules/rollout/staleness.py``).
+
+``PartialRollout`` is the non-strict synchronous variant: each iteration tops the engine up
+to ceil(alpha * P) groups (carried-over ones included) and ends at the P-th complete group;
+the unfinished ones carry over, first in line.
+
+What happens to requests still generating when weights change is ``inflight``:
+``keep`` (in-flight update: tokens after the switch come from the new weights, spans record
+which), ``abort`` (resubmit prompt + partial response; logprobs and versions stitched), or
+``wait`` (the update waits for them: a generation boundary).
+
+Completion callbacks run on the engine's event-loop thread; all state is guarded by one
+re-entrant condition. Errors raised there (a reward function, a dead engine) are stored and
+re-raised in the trainer's ``next_batch`` at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from modules.config_errors import check
+from modules.engine import EngineError, SamplingConfig
+from modules.experience import Experience
+from modules.rollout.base import Pending, RolloutContext, RolloutController
+from modules.rollout.staleness import Drop, StalenessPolicy
+
+
+@dataclass
+class _Group:
+    row: dict
+    start_version: int
+    exps: list[Experience] = field(default_factory=list)
+
+
+@dataclass
+class _Ready:
+    """A complete group waiting in the buffer."""
+
+    group_id: int
+    exps: list[Experience]
+    start_version: int  # version of its oldest token
+    completed_at: float
+
+
+class StreamingRollout(RolloutController):
+    def __init__(
+        self,
+        prompts_per_step: int,
+        group_size: int,
+        sampling: SamplingConfig,
+        max_inflight: int = 32,
+        max_staleness: int = 1,
+        staleness: StalenessPolicy | None = None,
+        buffer_capacity: int = 64,
+        max_age_s: float | None = None,
+        inflight: str = "keep",
+        wait_timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(prompts_per_step, group_size, sampling)
+        check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
+        check("rollout.max_staleness", max_staleness, max_staleness >= 0, "an int >= 0 (policy versions)")
+        check(
+            "rollout.buffer_capacity",
+            buffer_capacity,
+            buffer_capacity >= prompts_per_step,
+            f">= rollout.prompts_per_step ({prompts_per_step})",
+        )
+        check("rollout.inflight", inflight, inflight in ("keep", "abort", "wait"), "one of keep, abort, wait")
+        check("rollout.max_age_s", max_age_s, max_age_s is None or max_age_s > 0, "null or a float > 0")
+        self.max_inflight = max_inflight
+        self.max_staleness = max_staleness
+        self.staleness = staleness or Drop()
+        self.buffer_capacity = buffer_capacity
+        self.max_age_s = max_age_s
+        self.inflight = inflight
+        self.wait_timeout_s = wait_timeout_s
+        self._cv = threading.Condition(threading.RLock())
+        self._requests: dict[cf.Future, Pending] = {}
+        self._groups: dict[int, _Group] = {}
+        self._buffer: deque[_Ready] = deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self.started_groups = 0
+        self._taken_at = -1  # engine version at which the last batch was taken
+        self.counters = {"dropped": 0, "downweighted": 0, "recomputed": 0, "carried_over": 0, "expired": 0}
+
+    # ------------------------------------------------------------------ producer side
+    def bind(self, ctx: RolloutContext) -> None:
+        super().bind(ctx)
+        with self._cv:
+            self._top_up()
+
+    def _admission_open(self) -> bool:
+        if not self.staleness.admission_control:
+            return True
+        # A group started at version v must be trained by version v + K, and each version
+        # trains P groups, so at most (K + 1) * P groups may be outstanding at once.
+        # Once this version's batch has been taken, a group started now trains at v + 1 at best.
+        lag = 1 if self._taken_at == self.ctx.engine.version else 0
+        outstanding = len(self._groups) + len(self._buffer)
+        return outstanding < (self.max_staleness + 1 - lag) * self.prompts_per_step
+
+    def _target_inflight(self) -> int:
+        return self.max_inflight
+
+    def _top_up(self) -> None:
+        """Start groups while below target, under buffer capacity and admission control."""
+        if self._closed or self._error is not None:
+            return
+        while (
+            len(self._groups) < self._target_inflight()
+            and len(self._groups) + len(self._buffer) < self.buffer_capacity
+            and self._admission_open()
+        ):
+            row = self.ctx.prompts.next()
+            gid = self.next_group_id
+            self._groups[gid] = _Group(row, self.ctx.engine.version)
+            self.started_groups += 1
+            for fut, p in self.submit_group(row).items():
+                self._track(fut, p)
+
+    def _track(self, fut: cf.Future, p: Pending) -> None:
+        self._requests[fut] = p
+        fut.add_done_callback(self._on_done)
+
+    def _on_done(self, fut: cf.Future) -> None:
+        with self._cv:
+            try:
+                p = self._requests.pop(fut, None)
+                if p is None or self._closed:
+                    return
+                comp = fut.result()
+                if self.is_unfinished(comp, p):
+                    # Aborted at a weight sync: continue from the partial response.
+                    nxt = self.continuation(comp, p)
+                    self.counters["carried_over"] += 1
+                    self._track(self.submit(nxt), nxt)
+                    return
+                group = self._groups[p.group_id]
+                group.exps.append(self.to_experience(comp, p))
+                if len(group.exps) == self.group_size:
+                    del self._groups[p.group_id]
+                    exps = self.finish_group(group.exps)
+                    oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
+                    self._buffer.append(_Ready(p.group_id, exps, oldest, time.time()))
+                self._top_up()
+            except BaseException as e:  # surfaced by next_batch in the trainer thread
+                if self._error is None:
+                    self._error = e
+            finally:
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ consumer side
+    def next_batch(self) -> list[Experience]:
+        engine = self.ctx.engine
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self._cv:
+            self._start_iteration()
+            while True:
+                if self._error is not None:
+                    raise self._error
+                batch = self._take()
+                if batch is not None:
+                    self._top_up()
+                    return batch
+                self._top_up()
+                if hasattr(engine, "advance"):  # virtual-clock test engine
+                    engine.advance()
+                    continue
+                self._cv.wait(timeout=engine.health_poll_s)
+                engine.check_health()
+                if time.monotonic() > deadline:
+                    raise EngineError(
+                        f"no batch within rollout.wait_timeout_s={self.wait_timeout_s:g} s "
+                        f"(buffer {len(self._buffer)} groups, {len(self._groups)} in flight)"
+                    )
+
+    def _start_iteration(self) -> None:
+        """Hook for PartialRollout."""
+
+    def _admit_choice(self, version: int) -> list[_Ready] | None:
+        """Oldest groups first, and only if every outstanding group can still be trained in
+        time: for each start version u, those started at <= u must fit in the batches up to
+        version u + K. Otherwise wait for older groups still generating."""
+        k, p = self.max_staleness, self.prompts_per_step
+        chosen = sorted(self._buffer, key=lambda r: (r.start_version, r.completed_at))[:p]
+        if len(chosen) < p:
+            return None
+        left = [g.start_version for g in self._groups.values()]
+        left += [r.start_version for r in self._buffer if r not in chosen]
+        for u in set(left):
+            if sum(s <= u for s in left) > (u + k - version) * p:
+                return None
+        return chosen
+
+    def _take(self) -> list[Experience] | None:
+        version = self.ctx.engine.version
+        now = time.time()
+        if self.max_age_s is not None:
+            for r in [r for r in self._buffer if now - r.completed_at > self.max_age_s]:
+                self._buffer.remove(r)
+                self.counters["expired"] += 1
+        # 1) A dropping policy removes too-stale groups as soon as they are seen.
+        if self.staleness.drops:
+            for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:
+                self._buffer.remove(r)
+                self.counters["dropped"] += 1
+        # 2) Choose P groups, oldest first (FIFO by completion).
+        chosen: list[_Ready] = []
+        if self.staleness.admission_control:
+            chosen = self._admit_choice(version)
+            if chosen is None:
+                return None
+        for r in self._buffer:
+            if len(chosen) >= self.prompts_per_step:
+                break
+            if r not in chosen:
+                chosen.append(r)
+        if len(chosen) < self.prompts_per_step:
+            return None
+        self._taken_at = version
+        out: list[Experience] = []
+        for r in chosen:
+            self._buffer.remove(r)
+            excess = version - r.start_version - self.max_staleness
+            if excess > 0 and not self.staleness.admission_control:
+                r.exps = self.staleness.apply(r.exps, excess) or []  # 3) downweight / recompute
+            for e in r.exps:
+                e.staleness = version - min(e.token_versions(), default=e.policy_version)
+                if e.weight != 1.0:
+                    self.counters["downweighted"] += 1
+                if e.recompute:
+                    self.counters["recomputed"] += 1
+                out.append(e)
+        self.stats = {
+            "rollout/buffer_size": float(len(self._buffer)),
+            "rollout/inflight": float(len(self._groups)),
+            "rollout/started_groups": float(self.started_groups),
+            **{f"rollout/{k}": float(v) for k, v in self.counters.items()},
+        }
+        return out
+
+    # ------------------------------------------------------------------ lifecycle / state
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counts for tests and metrics (taken under the lock)."""
+        with self._cv:
+            return {
+                "buffer": len(self._buffer),
+                "inflight_groups": len(self._groups),
+                "inflight_requests": len(self._requests),
+                "started_groups": self.started_groups,
+                **self.counters,
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        # Documented policy: buffered and in-flight groups are not checkpointed; on resume
+        # their prompts are simply not replayed (the prompt cursor has moved past them).
+        return {**super().state_dict(), "started_groups": self.started_groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.started_groups = int(state.get("started_groups", 0))
+
+
+class PartialRollout(StreamingRollout):
+    """Non-strict sync: issue ceil(alpha * P) groups per iteration, train on the first P."""
+
+    def __init__(
+        self,
+        prompts_per_step: int,
+        group_size: int,
+        sampling: SamplingConfig,
+        over_provision: float = 2.0,
+        inflight: str = "keep",
+        max_staleness: int = 1_000_000,
+        staleness: StalenessPolicy | None = None,
+        wait_timeout_s: float = 600.0,
+    ) -> None:
+        check("rollout.over_provision", over_provision, over_provision >= 1.0, "a float >= 1 (alpha)")
+        self.over_provision = over_provision
+        n = math.ceil(over_provision * prompts_per_step)
+        super().__init__(
+            prompts_per_step,
+            group_size,
+            sampling,
+            max_inflight=n,
+            max_staleness=max_staleness,
+            staleness=staleness,
+            buffer_capacity=n,
+            inflight=inflight,
+            wait_timeout_s=wait_timeout_s,
+        )
+        self._iteration_open = False
+
+    def _target_inflight(self) -> int:
+        # Top up only at the start of an iteration (not continuously, unlike streaming).
+        if not self._iteration_open:
+            return 0
+        return math.ceil(self.over_provision * self.prompts_per_step) - len(self._buffer)
+
+    def _start_iteration(self) -> None:
+        self._iteration_open = True
+        self._top_up()
+        self._iteration_open = False
+
+    def bind(self, ctx: RolloutContext) -> None:
+        RolloutController.bind(self, ctx)  # the first iteration starts in next_batch

@@ -1,0 +1,151 @@
+"""A scripted, virtual-clock stand-in for VLLMEngine. Test fixture only, never the product path.
+
+Each request generates one token per time unit; its length (= latency) is read from the
+prompt, ``"<length>|"`` in the fake tokenizer's encoding, minus any partial response already
+appended (a continuation). ``advance()`` jumps the clock to the next completion and resolves
+its future, which fires the rollout controller's callbacks synchronously. Weight updates with
+``inflight=keep`` split version spans at the update time; ``abort`` ends running requests
+with their partial tokens; ``wait`` finishes them first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from modules.engine import Completion, EngineError, SamplingConfig
+
+
+class CharTokenizer:
+    """ord/chr tokenizer matching the interface the controllers use."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i > 1)
+
+
+SEP = ord("|")
+
+
+@dataclass
+class _Req:
+    fut: cf.Future
+    rid: str
+    prompt: list[int]
+    length: int  # tokens this request will produce if not interrupted
+    start: float
+    switches: list[tuple[float, int]] = field(default_factory=list)  # (time, new version)
+    start_version: int = 0
+
+
+class ScriptedEngine:
+    health_poll_s = 0.01
+    stall_timeout_s = 1e9
+
+    def __init__(self, max_concurrency: int | None = None) -> None:
+        self.now = 0.0
+        self.version = 0
+        self.max_concurrency = max_concurrency
+        self._running: dict[str, _Req] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._queue: list[_Req] = []
+        self._seq = itertools.count()
+        self.dead = False
+        self.completed: list[tuple[float, str]] = []  # (time, request id)
+        self.submitted = 0
+
+    # --- VLLMEngine interface used by the controllers
+    def check_health(self) -> None:
+        if self.dead:
+            raise EngineError("scripted engine killed")
+
+    def submit(self, prompt_ids, sampling: SamplingConfig, seed=None, request_id=None, prompt_logprobs=False):
+        self.check_health()
+        fut: cf.Future = cf.Future()
+        cut = prompt_ids.index(SEP)
+        total = int("".join(chr(c) for c in prompt_ids[:cut]))
+        done = len(prompt_ids) - cut - 1  # continuation: tokens already generated
+        length = max(0, min(total - done, sampling.max_tokens))
+        req = _Req(
+            fut,
+            request_id or f"r{self.submitted}",
+            list(prompt_ids),
+            length,
+            self.now,
+            start_version=self.version,
+        )
+        self.submitted += 1
+        if self.max_concurrency is None or len(self._running) < self.max_concurrency:
+            self._start(req)
+        else:
+            self._queue.append(req)
+        return fut
+
+    def _start(self, req: _Req) -> None:
+        req.start = self.now
+        req.start_version = self.version  # tokens are labelled by the weights that make them
+        self._running[req.rid] = req
+        heapq.heappush(self._heap, (self.now + req.length, next(self._seq), req.rid))
+
+    def advance(self) -> None:
+        """Move the clock to the next completion and resolve it (and any at the same time)."""
+        self.check_health()
+        if not self._heap:
+            raise RuntimeError("advance() with nothing in flight: the controller would wait forever")
+        t = self._heap[0][0]
+        while self._heap and self._heap[0][0] == t:
+            _, _, rid = heapq.heappop(self._heap)
+            req = self._running.pop(rid, None)
+            if req is None:
+                continue  # aborted earlier
+            self.now = t
+            self._finish(req, req.length, "length" if req.length else "stop")
+        while self._queue and (self.max_concurrency is None or len(self._running) < self.max_concurrency):
+            self._start(self._queue.pop(0))
+
+    def _finish(self, req: _Req, n: int, reason: str) -> None:
+        spans, cursor, version = [], 0, req.start_version
+        for t, v in req.switches:
+            k = min(n, int(t - req.start))
+            if k > cursor:
+                spans.append((version, cursor, k))
+            cursor, version = max(cursor, k), v
+        if n > cursor:
+            spans.append((version, cursor, n))
+        comp = Completion(req.rid, req.prompt, [50] * n, [-1.0] * n, reason, req.start, self.now, spans)
+        self.completed.append((self.now, req.rid))
+        req.fut.set_result(comp)
+
+    def update_weights(self, named_tensors, version: int, inflight: str = "keep") -> float:
+        if inflight == "wait":
+            while self._running:
+                self.advance()
+        elif inflight == "abort":
+            self.version = version  # continuations resubmitted now run with the new weights
+            for rid, req in list(self._running.items()):
+                del self._running[rid]
+                self._finish(req, int(self.now - req.start), "abort")
+        else:
+            for req in self._running.values():
+                req.switches.append((self.now, version))
+        self.version = version
+        return 0.0
+
+    def advance_to(self, t: float) -> None:
+        """Let virtual time pass (e.g. a training step), completing what finishes by ``t``."""
+        while self._heap and self._heap[0][0] <= t:
+            self.advance()
+        self.now = max(self.now, t)
+
+    def kill(self) -> None:
+        self.dead = True
+        for req in list(self._running.values()):
+            req.fut.set_exception(EngineError("scripted engine killed"))
+        self._running.clear()

@@ -1,0 +1,227 @@
+"""Rollout-mode semantics on a scripted virtual-clock engine (tests/fake_engine.py).
+
+The fake engine is a fixture for exact timing; the same controllers drive vLLM in training.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modules.advantages import GroupAdvantage
+from modules.engine import EngineError, SamplingConfig
+from modules.rollout.base import PromptStream, RewardError, RolloutContext
+from modules.rollout.staleness import Admit, Downweight, Drop, Recompute
+from modules.rollout.streaming import PartialRollout, StreamingRollout
+from modules.rollout.sync import SyncRollout
+from tests.fake_engine import CharTokenizer, ScriptedEngine
+
+
+class LatencyTask:
+    """Rows carry a generation length; prompt "<length>|" tells the fake engine."""
+
+    def __init__(self, lengths: list[int], fail: bool = False) -> None:
+        self.rows = [{"id": i, "length": n, "level": int(n >= 50)} for i, n in enumerate(lengths)]
+        self.fail = fail
+
+    def prompt_text(self, row: dict) -> str:
+        return f"{row['length']}|"
+
+    def reward(self, row: dict, text: str) -> float:
+        if self.fail:
+            raise ValueError("verifier crashed")
+        return float(row["id"] % 3 == 0)
+
+
+def bind(ctl, engine, lengths, fail=False):
+    task = LatencyTask(lengths, fail)
+    ctl.bind(RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=0), GroupAdvantage()))
+    return ctl
+
+
+SEED_WORKLOAD = [10] * 90 + [100] * 10  # the seeds' example: 90 short, 10 long
+SAMPLING = SamplingConfig(max_tokens=1000)
+
+
+def test_seed_example_streaming_updates_when_32nd_short_request_finishes():
+    eng = ScriptedEngine()
+    ctl = bind(
+        StreamingRollout(32, 1, SAMPLING, max_inflight=100, max_staleness=10, buffer_capacity=100),
+        eng,
+        SEED_WORKLOAD,
+    )
+    batch = ctl.next_batch()
+    assert eng.now == 10 and len(batch) == 32
+    assert all(len(e.response_ids) == 10 for e in batch)
+
+
+def test_seed_example_sync_waits_for_the_last_long_request():
+    eng = ScriptedEngine()
+    ctl = bind(SyncRollout(100, 1, SAMPLING), eng, SEED_WORKLOAD)
+    batch = ctl.next_batch()
+    assert eng.now == 100 and len(batch) == 100
+
+
+def test_seed_example_partial_ends_at_the_pth_complete_group_and_carries_the_rest():
+    eng = ScriptedEngine()
+    ctl = bind(PartialRollout(16, 1, SAMPLING, over_provision=2.0), eng, SEED_WORKLOAD)
+    batch = ctl.next_batch()
+    snap = ctl.snapshot()
+    assert eng.now == 10 and len(batch) == 16
+    assert snap["started_groups"] == 32  # ceil(alpha * P) issued
+    # the 32 issued minus 16 trained are carried over: finished extras wait in the buffer,
+    # long ones keep generating; the next iteration tops up to 32 again
+    assert snap["buffer"] + snap["inflight_groups"] == 16
+    eng.update_weights({}, 1, inflight="keep")
+    ctl.next_batch()
+    assert ctl.snapshot()["started_groups"] == 32 + 16
+
+
+def run(ctl, eng, batches, step_time=1.0):
+    trained = []
+    for _ in range(batches):
+        batch = ctl.next_batch()
+        trained.append((eng.version, batch))
+        assert ctl.snapshot()["buffer"] <= ctl.buffer_capacity
+        eng.advance_to(eng.now + step_time)  # the training step takes virtual time
+        eng.update_weights({}, eng.version + 1, inflight=ctl.inflight)
+    return trained
+
+
+@pytest.mark.parametrize("policy", [Admit(), Drop()])
+def test_max_staleness_zero_is_sync_semantics(policy):
+    lengths = [3, 7, 40, 12, 90, 5, 5, 60, 2, 33] * 5
+    eng = ScriptedEngine()
+    ctl = bind(
+        StreamingRollout(
+            4, 2, SAMPLING, max_inflight=8, max_staleness=0, staleness=policy, buffer_capacity=16
+        ),
+        eng,
+        lengths,
+    )
+    for version, batch in run(ctl, eng, 6):
+        assert len(batch) == 8
+        for e in batch:
+            assert set(e.token_versions()) == {version}  # every trained token from the current policy
+            assert e.staleness == 0
+    if isinstance(policy, Admit):
+        assert ctl.snapshot()["dropped"] == 0
+
+
+def test_abort_carry_over_keeps_logprobs_versions_and_mask_aligned():
+    eng = ScriptedEngine()
+    ctl = bind(
+        StreamingRollout(
+            1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="abort", buffer_capacity=4
+        ),
+        eng,
+        [4, 30],
+    )
+    first = ctl.next_batch()  # the 4-token request; the 30-token one is 4 tokens in
+    assert len(first[0].response_ids) == 4
+    eng.update_weights({}, 1, inflight="abort")  # abort -> resubmit prompt + 4 partial tokens
+    out = []
+    while not any(len(e.response_ids) == 30 for e in out):
+        out += ctl.next_batch()
+        eng.update_weights({}, eng.version + 1, inflight="abort")
+    e = next(e for e in out if len(e.response_ids) == 30)
+    assert e.splits == 1 and len(e.behavior_logprobs) == 30 and sum(e.loss_mask) == 30
+    assert e.version_spans == [(0, 0, 4), (1, 4, 30)]
+    assert e.token_versions()[:4] == [0] * 4 and e.token_versions()[4:] == [1] * 26
+    assert ctl.snapshot()["carried_over"] >= 1
+
+
+def test_keep_in_flight_update_records_version_spans():
+    eng = ScriptedEngine()
+    ctl = bind(
+        StreamingRollout(1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="keep", buffer_capacity=4),
+        eng,
+        [4, 30],
+    )
+    ctl.next_batch()
+    eng.update_weights({}, 1, inflight="keep")
+    e = next(e for e in ctl.next_batch() if len(e.response_ids) == 30)
+    assert e.splits == 0 and e.version_spans == [(0, 0, 4), (1, 4, 30)]
+    assert e.policy_version == 0  # started under version 0: staleness counts from the oldest token
+
+
+def test_downweight_and_recompute_mark_stale_groups():
+    for policy, check in [
+        (Downweight(gamma=0.5), lambda e: e.weight == 0.5 ** (e.staleness - 0)),
+        (Recompute(), lambda e: e.recompute),
+    ]:
+        eng = ScriptedEngine()
+        ctl = bind(
+            StreamingRollout(
+                2, 1, SAMPLING, max_inflight=6, max_staleness=0, staleness=policy, buffer_capacity=8
+            ),
+            eng,
+            [1, 1, 1, 1, 1, 1, 50, 50],
+        )
+        stale = [e for _, b in run(ctl, eng, 4) for e in b if e.staleness > 0]
+        assert stale and all(check(e) for e in stale)
+
+
+def test_reward_failure_surfaces_in_the_trainer():
+    eng = ScriptedEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [3, 5, 8], fail=True)
+    with pytest.raises(RewardError, match="verifier crashed"):
+        ctl.next_batch()
+
+
+def test_engine_death_surfaces_in_the_trainer():
+    eng = ScriptedEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [30, 50])
+    eng.kill()
+    with pytest.raises(EngineError):
+        ctl.next_batch()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 120), min_size=3, max_size=40),
+    group_size=st.integers(1, 3),
+    prompts_per_step=st.integers(1, 4),
+    max_inflight=st.integers(1, 8),
+    max_staleness=st.integers(0, 3),
+    policy=st.sampled_from(["drop", "admit", "downweight"]),
+    inflight=st.sampled_from(["keep", "abort", "wait"]),
+    concurrency=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_streaming_invariants(
+    lengths, group_size, prompts_per_step, max_inflight, max_staleness, policy, inflight, concurrency
+):
+    staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5)}[policy]
+    eng = ScriptedEngine(max_concurrency=concurrency)
+    capacity = max(prompts_per_step, max_inflight) + 2
+    ctl = bind(
+        StreamingRollout(
+            prompts_per_step,
+            group_size,
+            SAMPLING,
+            max_inflight=max_inflight,
+            max_staleness=max_staleness,
+            staleness=staleness,
+            buffer_capacity=capacity,
+            inflight=inflight,
+        ),
+        eng,
+        lengths,
+    )
+    seen = set()
+    for version, batch in run(ctl, eng, 5, step_time=7.0):
+        groups = {}
+        for e in batch:
+            key = (e.group_id, e.sample_index)
+            assert key not in seen, "a response was trained twice"
+            seen.add(key)
+            groups.setdefault(e.group_id, []).append(e)
+            assert len(e.behavior_logprobs) == len(e.response_ids) == len(e.token_versions())
+            assert e.staleness == version - min(e.token_versions())
+            if policy in ("drop", "admit"):
+                assert e.staleness <= max_staleness
+        assert all(len(g) == group_size for g in groups.values()), "an incomplete group was trained"
+        assert len(groups) == prompts_per_step
+    if policy == "admit":
+        assert ctl.snapshot()["dropped"] == 0
