@@ -169,3 +169,19 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
     os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     proc.communicate(timeout=120)
     assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"
+
+
+@pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
+def test_async_recipes_end_to_end(tmp_path, models, recipe):
+    steps = 4
+    rows = train(tmp_path, f"recipe={recipe}", *SHRINK, f"model.path={models['tied']}",
+                 "task._target_=tests.helpers.DigitShareTask", f"trainer.max_steps={steps}")
+    train_rows = [r for r in rows if r["train/loss"]]
+    assert [int(r["step"]) for r in train_rows] == list(range(steps))
+    assert all(math.isfinite(float(r["train/loss"])) for r in train_rows)
+    assert [int(float(r["rollout/policy_version"])) for r in train_rows] == list(range(steps))
+    assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[1:]) < 1e-4
+    stale = [float(r["rollout/staleness_max"]) for r in train_rows]
+    if recipe == "async_grpo":
+        assert max(stale) <= 1  # max_staleness=1 with drop
+    assert "rollout/inflight" in rows[0] and "rollout/buffer_size" in rows[0]

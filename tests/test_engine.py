@@ -158,3 +158,43 @@ def test_shutdown_leaves_no_processes(models):
     assert not alive, f"orphan processes after shutdown: {alive}"
     with pytest.raises(EngineError):
         eng.check_health()
+
+
+@pytest.mark.parametrize("inflight", ["keep", "abort"])
+def test_carry_over_across_weight_update_matches_each_policy(engine, models, inflight):
+    """A response that spans a weight update: tokens before the split match the old weights,
+    tokens after it the new ones; logprobs and version spans stay aligned (both methods)."""
+    from modules.rollout.base import Pending, RolloutContext, RolloutController
+
+    old, tok = load_policy(models["tied"])
+    old.eval()
+    engine.update_weights(named_weights(old), engine.version + 1)  # known starting weights
+    v0 = engine.version
+    ctl = RolloutController(1, 1, SamplingConfig(max_tokens=160, ignore_eos=True))
+    ctl.bind(RolloutContext(engine, None, tok, None, None))
+    prompt = tok("47%2=")["input_ids"]
+    p = Pending({"id": 0}, 0, 0, 123, v0, prompt_ids=prompt)
+    fut = ctl.submit(p)
+    time.sleep(0.3)  # let it generate some tokens with the old weights
+    new, _ = load_policy(models["tied"])
+    new.eval()
+    _perturb(new, 0.05, seed=99)
+    engine.update_weights(named_weights(new), v0 + 1, inflight=inflight)
+    comp = engine.wait_result(fut, timeout=120)
+    if inflight == "abort":
+        assert ctl.is_unfinished(comp, p)
+        p = ctl.continuation(comp, p)
+        comp = engine.wait_result(ctl.submit(p), timeout=120)
+    tokens = p.prefix_ids + list(comp.token_ids)
+    logprobs = p.prefix_logprobs + list(comp.logprobs)
+    off = len(p.prefix_ids)
+    spans = p.prefix_spans + [(v, s + off, e + off) for v, s, e in comp.version_spans]
+    assert len(tokens) == len(logprobs) == 160
+    split = next(s for v, s, e in spans if v == v0 + 1)
+    assert 0 < split < 160, f"the update should land mid-response, spans {spans}"
+    assert [v for v, _, _ in spans] == [v0, v0 + 1] and spans[-1][2] == 160
+    lp_old = trainer_logprobs(old, prompt, tokens, 1.0)
+    lp_new = trainer_logprobs(new, prompt, tokens, 1.0)
+    got = torch.tensor(logprobs)
+    assert (got[:split] - lp_old[:split]).abs().max() < 1e-4
+    assert (got[split:] - lp_new[split:]).abs().max() < 1e-4
