@@ -22,6 +22,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.config_errors import check
 from modules.policy import load_policy, named_weights, token_logprobs
+from modules.schedules import optimizers
 
 
 class GRPOModule(L.LightningModule):
@@ -138,8 +139,4 @@ class GRPOModule(L.LightningModule):
         self.configure_model()
 
     def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=self.policy.parameters())
-        if self.scheduler_factory is None:
-            return opt
-        sched = self.scheduler_factory(optimizer=opt)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return optimizers(self.policy.parameters(), self.optimizer_factory, self.scheduler_factory)

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
+
+
+def optimizers(params: Iterable[torch.nn.Parameter], optimizer: Callable, scheduler: Callable | None) -> Any:
+    """What ``configure_optimizers`` returns: the optimizer, and a per-step schedule if given."""
+    opt = optimizer(params=params)
+    if scheduler is None:
+        return opt
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(optimizer=opt), "interval": "step"}}
 
 
 def warmup_cosine(

@@ -19,6 +19,7 @@ import torch
 
 from modules.config_errors import check
 from modules.policy import load_policy
+from modules.schedules import optimizers
 from modules.tiny_model import build_tiny_qwen
 
 
@@ -78,11 +79,7 @@ class SFTModule(L.LightningModule):
             self.log(f"eval/reward_level{lv}", lv_r.mean())
 
     def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=self.policy.parameters())
-        if self.scheduler_factory is None:
-            return opt
-        sched = self.scheduler_factory(optimizer=opt)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return optimizers(self.policy.parameters(), self.optimizer_factory, self.scheduler_factory)
 
 
 def greedy_rewards(

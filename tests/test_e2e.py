@@ -119,23 +119,25 @@ def wait_gone(sid: int, seconds: float = 30) -> list[psutil.Process]:
     return alive
 
 
+def start(tmp_path: Path, model: Path, *overrides: str) -> subprocess.Popen:
+    """train.py in its own session (so its whole process tree can be found afterwards)."""
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={tmp_path}",
+        "recipe=sync_grpo",
+        *SHRINK,
+        f"model.path={model}",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
 def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            f"hydra.run.dir={tmp_path}",
-            "recipe=sync_grpo",
-            *SHRINK,
-            f"model.path={models['tied']}",
-            "task._target_=tests.helpers.FailingRewardTask",
-            "data.eval_size=0",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    proc = start(
+        tmp_path, models["tied"], "task._target_=tests.helpers.FailingRewardTask", "data.eval_size=0"
     )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
@@ -144,22 +146,8 @@ def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
 
 
 def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            f"hydra.run.dir={tmp_path}",
-            "recipe=sync_grpo",
-            *SHRINK,
-            f"model.path={models['tied']}",
-            "task._target_=tests.helpers.DigitShareTask",
-            "trainer.max_steps=1000",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    proc = start(
+        tmp_path, models["tied"], "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
     )
     metrics = tmp_path / "metrics.csv"
     deadline = time.monotonic() + 300
@@ -174,8 +162,14 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
 @pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
 def test_async_recipes_end_to_end(tmp_path, models, recipe):
     steps = 4
-    rows = train(tmp_path, f"recipe={recipe}", *SHRINK, f"model.path={models['tied']}",
-                 "task._target_=tests.helpers.DigitShareTask", f"trainer.max_steps={steps}")
+    rows = train(
+        tmp_path,
+        f"recipe={recipe}",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "task._target_=tests.helpers.DigitShareTask",
+        f"trainer.max_steps={steps}",
+    )
     train_rows = [r for r in rows if r["train/loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(steps))
     assert all(math.isfinite(float(r["train/loss"])) for r in train_rows)
