@@ -41,6 +41,8 @@ class RolloutDataModule(L.LightningDataModule):
         eval_size: int = 256,
         eval_max_tokens: int | None = None,
         seed: int = 0,
+        sync_every: int = 1,
+        sync_every_s: float | None = None,
     ) -> None:
         super().__init__()
         check(
@@ -54,6 +56,25 @@ class RolloutDataModule(L.LightningDataModule):
             minibatches <= n_samples,
             f"<= rollout.prompts_per_step * rollout.group_size = {n_samples}",
         )
+        check(
+            "data.sync_every",
+            sync_every,
+            isinstance(sync_every, int) and sync_every >= 1,
+            "an int >= 1 (rollout batches per weight sync)",
+        )
+        check(
+            "data.sync_every_s", sync_every_s, sync_every_s is None or sync_every_s > 0, "null or a float > 0"
+        )
+        admission = getattr(getattr(rollout, "staleness", None), "admission_control", False)
+        check(
+            "data.sync_every_s",
+            sync_every_s,
+            sync_every_s is None or not admission,
+            "null with rollout.staleness=Admit (admission control counts batches per version)",
+        )
+        self.sync_every = sync_every
+        self.sync_every_s = sync_every_s
+        rollout.batches_per_version = sync_every
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
         check("data.eval_size", eval_size, eval_size >= 0, "an int >= 0")
         self.task = task
@@ -104,20 +125,34 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         rng = random.Random(self.seed)
+        since_sync, last_sync = 0, time.monotonic()
         while True:
             t0 = time.perf_counter()
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
-            stats = {**rollout_stats(exps), **getattr(self.rollout, "stats", {})}
+            self.rollout.bias.on_trained(exps)
+            stats = {
+                **rollout_stats(exps),
+                **getattr(self.rollout, "stats", {}),
+                **self.rollout.bias.metrics(),
+            }
             stats["perf/rollout_wait_s"] = waited
             n = len(exps)
+            # Weight sync trigger: every `sync_every` rollout batches, or once `sync_every_s`
+            # seconds have passed since the last sync (checked at rollout-batch boundaries).
+            since_sync += 1
+            due = since_sync >= self.sync_every or (
+                self.sync_every_s is not None and time.monotonic() - last_sync >= self.sync_every_s
+            )
+            if due:
+                since_sync, last_sync = 0, time.monotonic()
             for epoch in range(self.epochs):
                 order = list(range(n))
                 rng.shuffle(order)
                 chunks = [order[k :: self.minibatches] for k in range(self.minibatches)]
                 for k, chunk in enumerate(chunks):
                     batch: dict[str, Any] = collate([exps[i] for i in chunk], self.tokenizer.pad_token_id)
-                    batch["sync_after"] = epoch == self.epochs - 1 and k == self.minibatches - 1
+                    batch["sync_after"] = due and epoch == self.epochs - 1 and k == self.minibatches - 1
                     batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
                     batch["num_samples"] = len(chunk) if epoch == 0 else 0
                     yield batch
@@ -200,4 +235,9 @@ def rollout_stats(exps: list[Experience]) -> dict[str, float]:
         "train/truncated_frac": sum(e.truncated for e in exps) / n,
         "rollout/gen_span_s": end - start,
         "rollout/tokens": float(sum(lengths)),
+        # carried over: aborted and resubmitted, or generated across a weight update
+        "rollout/carried_frac": sum(e.splits > 0 or len(e.version_spans) > 1 for e in exps) / n,
+        # staleness histogram of this batch (share of samples 0, 1, 2, 3+ versions old)
+        **{f"rollout/staleness_frac_{k}": sum(min(e.staleness, 3) == k for e in exps) / n for k in range(3)},
+        "rollout/staleness_frac_3plus": sum(e.staleness >= 3 for e in exps) / n,
     }

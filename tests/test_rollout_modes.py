@@ -78,14 +78,16 @@ def test_seed_example_partial_ends_at_the_pth_complete_group_and_carries_the_res
     assert ctl.snapshot()["started_groups"] == 32 + 16
 
 
-def run(ctl, eng, batches, step_time=1.0):
+def run(ctl, eng, batches, step_time=1.0, sync_every=1):
     trained = []
-    for _ in range(batches):
+    ctl.batches_per_version = sync_every
+    for b in range(batches):
         batch = ctl.next_batch()
         trained.append((eng.version, batch))
         assert ctl.snapshot()["buffer"] <= ctl.buffer_capacity
         eng.advance_to(eng.now + step_time)  # the training step takes virtual time
-        eng.update_weights({}, eng.version + 1, inflight=ctl.inflight)
+        if (b + 1) % sync_every == 0:
+            eng.update_weights({}, eng.version + 1, inflight=ctl.inflight)
     return trained
 
 
@@ -188,9 +190,18 @@ def test_engine_death_surfaces_in_the_trainer():
     policy=st.sampled_from(["drop", "admit", "downweight"]),
     inflight=st.sampled_from(["keep", "abort", "wait"]),
     concurrency=st.one_of(st.none(), st.integers(1, 6)),
+    sync_every=st.integers(1, 3),
 )
 def test_streaming_invariants(
-    lengths, group_size, prompts_per_step, max_inflight, max_staleness, policy, inflight, concurrency
+    lengths,
+    group_size,
+    prompts_per_step,
+    max_inflight,
+    max_staleness,
+    policy,
+    inflight,
+    concurrency,
+    sync_every,
 ):
     staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5)}[policy]
     eng = ScriptedEngine(max_concurrency=concurrency)
@@ -210,7 +221,7 @@ def test_streaming_invariants(
         lengths,
     )
     seen = set()
-    for version, batch in run(ctl, eng, 5, step_time=7.0):
+    for version, batch in run(ctl, eng, 6, step_time=7.0, sync_every=sync_every):
         groups = {}
         for e in batch:
             key = (e.group_id, e.sample_index)
@@ -225,3 +236,43 @@ def test_streaming_invariants(
         assert len(groups) == prompts_per_step
     if policy == "admit":
         assert ctl.snapshot()["dropped"] == 0
+
+
+def bias_run(stratify: bool) -> dict[str, float]:
+    lengths = [4] * 80 + [60] * 20  # level 0 short, level 1 long (LatencyTask: level = length >= 50)
+    eng = ScriptedEngine(max_concurrency=8)
+    ctl = bind(
+        StreamingRollout(
+            8,
+            1,
+            SAMPLING,
+            max_inflight=16,
+            max_staleness=2,
+            staleness=Drop(),
+            buffer_capacity=24,
+            stratify=stratify,
+        ),
+        eng,
+        lengths,
+    )
+    for _, batch in run(ctl, eng, 12, step_time=3.0):
+        ctl.bias.on_trained(batch)  # the datamodule does this in training
+    return ctl.bias.metrics()
+
+
+def test_completion_time_bias_is_measured_and_stratified_batches_reduce_it():
+    plain, strat = bias_run(False), bias_run(True)
+    # first-finished consumption under-trains the long level and biases lengths
+    assert plain["bias/level_kl_trained_vs_issued"] > 0.01
+    assert plain["bias/len_kl_trained_vs_issued"] > 0
+    assert strat["bias/level_kl_trained_vs_issued"] < plain["bias/level_kl_trained_vs_issued"] / 2
+    assert strat.get("bias/trained_frac_level1", 0) > plain.get("bias/trained_frac_level1", 0)
+
+
+def test_sync_mode_has_no_length_bias():
+    eng = ScriptedEngine()
+    ctl = bind(SyncRollout(4, 2, SAMPLING), eng, [4, 60, 9, 30])
+    for _ in range(3):
+        ctl.bias.on_trained(ctl.next_batch())
+    m = ctl.bias.metrics()
+    assert m["bias/len_kl_trained_vs_issued"] < 1e-9 and m["bias/level_kl_trained_vs_issued"] < 1e-9

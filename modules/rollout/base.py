@@ -15,6 +15,7 @@ from typing import Any
 
 from modules.engine import Completion, SamplingConfig, VLLMEngine
 from modules.experience import Experience
+from modules.rollout.bias import BiasTracker
 
 
 class RewardError(RuntimeError):
@@ -126,6 +127,7 @@ class RolloutController:
         self.group_size = group_size
         self.sampling = sampling
         self.ctx: RolloutContext | None = None
+        self.bias = BiasTracker()
         self.next_group_id = 0
         self.stats: dict[str, float] = {}
 
@@ -144,6 +146,7 @@ class RolloutController:
             seed = (ctx.seed * 1_000_003 + gid * 1009 + i) % (2**31)
             p = Pending(row, gid, i, seed, ctx.engine.version, prompt_ids=list(prompt_ids))
             out[self.submit(p)] = p
+            self.bias.on_issue(row.get("level"))
         return out
 
     def submit(self, p: Pending) -> cf.Future:
@@ -193,7 +196,7 @@ class RolloutController:
             reward = float(ctx.task.reward(p.row, text))
         except Exception as e:
             raise RewardError(f"reward function failed on prompt id {p.row.get('id')}: {e!r}") from e
-        return Experience(
+        exp = Experience(
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,
             sample_index=p.sample_index,
@@ -211,6 +214,8 @@ class RolloutController:
             difficulty=p.row.get("level"),
             splits=p.splits,
         )
+        self.bias.on_generated(exp)
+        return exp
 
     def finish_group(self, group: list[Experience]) -> list[Experience]:
         """Attach advantages once all G rewards are in."""

@@ -52,6 +52,7 @@ class _Ready:
     exps: list[Experience]
     start_version: int  # version of its oldest token
     completed_at: float
+    level: Any = None  # task difficulty bucket, for stratified batches
 
 
 class StreamingRollout(RolloutController):
@@ -67,6 +68,7 @@ class StreamingRollout(RolloutController):
         max_age_s: float | None = None,
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,
+        stratify: bool = False,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
         check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
@@ -86,6 +88,7 @@ class StreamingRollout(RolloutController):
         self.max_age_s = max_age_s
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
+        self.stratify = stratify
         self._cv = threading.Condition(threading.RLock())
         self._requests: dict[cf.Future, Pending] = {}
         self._groups: dict[int, _Group] = {}
@@ -94,6 +97,8 @@ class StreamingRollout(RolloutController):
         self._closed = False
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
+        self._taken_count = 0  # batches taken at that version
+        self.batches_per_version = 1  # set by the datamodule from data.sync_every
         self.counters = {"dropped": 0, "downweighted": 0, "recomputed": 0, "carried_over": 0, "expired": 0}
 
     # ------------------------------------------------------------------ producer side
@@ -105,12 +110,13 @@ class StreamingRollout(RolloutController):
     def _admission_open(self) -> bool:
         if not self.staleness.admission_control:
             return True
-        # A group started at version v must be trained by version v + K, and each version
-        # trains P groups, so at most (K + 1) * P groups may be outstanding at once.
-        # Once this version's batch has been taken, a group started now trains at v + 1 at best.
-        lag = 1 if self._taken_at == self.ctx.engine.version else 0
+        # A group started now (version v) must be trained by version v + K. Each version
+        # trains `batches_per_version` batches of P groups, and `taken` of this version's
+        # batches are gone, so at most ((K + 1) * bpv - taken) * P groups may be outstanding.
+        taken = self._taken_count if self._taken_at == self.ctx.engine.version else 0
+        slots = (self.max_staleness + 1) * self.batches_per_version - taken
         outstanding = len(self._groups) + len(self._buffer)
-        return outstanding < (self.max_staleness + 1 - lag) * self.prompts_per_step
+        return outstanding < slots * self.prompts_per_step
 
     def _target_inflight(self) -> int:
         return self.max_inflight
@@ -154,7 +160,7 @@ class StreamingRollout(RolloutController):
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
                     oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
-                    self._buffer.append(_Ready(p.group_id, exps, oldest, time.time()))
+                    self._buffer.append(_Ready(p.group_id, exps, oldest, time.time(), group.row.get("level")))
                 self._top_up()
             except BaseException as e:  # surfaced by next_batch in the trainer thread
                 if self._error is None:
@@ -190,6 +196,23 @@ class StreamingRollout(RolloutController):
     def _start_iteration(self) -> None:
         """Hook for PartialRollout."""
 
+    def _stratified_choice(self) -> list[_Ready] | None:
+        """Mitigate completion-time bias: each difficulty level gets a quota of the batch equal
+        to its share of issued samples; wait while a level is short of its quota and still has
+        groups generating (a partial barrier on slow levels only)."""
+        issued = {lv: n for lv, n in self.bias.issued_levels.items() if lv is not None}
+        total = sum(issued.values())
+        if not total:
+            return []
+        chosen: list[_Ready] = []
+        for level, n in issued.items():
+            quota = math.floor(self.prompts_per_step * n / total)
+            have = [r for r in self._buffer if r.level == level][:quota]
+            if len(have) < quota and any(g.row.get("level") == level for g in self._groups.values()):
+                return None
+            chosen += have
+        return chosen
+
     def _admit_choice(self, version: int) -> list[_Ready] | None:
         """Oldest groups first, and only if every outstanding group can still be trained in
         time: for each start version u, those started at <= u must fit in the batches up to
@@ -200,8 +223,11 @@ class StreamingRollout(RolloutController):
             return None
         left = [g.start_version for g in self._groups.values()]
         left += [r.start_version for r in self._buffer if r not in chosen]
+        bpv = self.batches_per_version
+        taken = self._taken_count if self._taken_at == version else 0
         for u in set(left):
-            if sum(s <= u for s in left) > (u + k - version) * p:
+            # batches left through version u + K once this one is taken
+            if sum(s <= u for s in left) > ((u + k - version + 1) * bpv - taken - 1) * p:
                 return None
         return chosen
 
@@ -223,6 +249,10 @@ class StreamingRollout(RolloutController):
             chosen = self._admit_choice(version)
             if chosen is None:
                 return None
+        elif self.stratify:
+            chosen = self._stratified_choice()
+            if chosen is None:
+                return None
         for r in self._buffer:
             if len(chosen) >= self.prompts_per_step:
                 break
@@ -230,6 +260,7 @@ class StreamingRollout(RolloutController):
                 chosen.append(r)
         if len(chosen) < self.prompts_per_step:
             return None
+        self._taken_count = self._taken_count + 1 if self._taken_at == version else 1
         self._taken_at = version
         out: list[Experience] = []
         for r in chosen:

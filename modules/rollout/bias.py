@@ -1,0 +1,82 @@
+"""Completion-time bias: what the trainer sees versus what the engine was asked for.
+
+A trainer that consumes whatever finishes first sees short (easy) responses early and long
+(hard) ones late and staler, or never (dropped). ``BiasTracker`` counts, per difficulty level
+and per length bucket, the samples *issued* (at submission), *generated* (every finished
+response, trained or not) and *trained*, plus the staleness of trained samples per length
+bucket. Metrics (cumulative since the start of the run):
+
+* ``bias/len_kl_trained_vs_issued``: KL(trained || generated) over length buckets, in nats;
+  0 when every generated response is trained in proportion (sync mode).
+* ``bias/level_kl_trained_vs_issued``: the same over difficulty levels, against issued.
+* ``bias/staleness_long_minus_short``: mean staleness of trained samples in the longest
+  occupied length bucket minus the shortest.
+* ``bias/trained_frac_level<k>``: share of trained samples per difficulty level.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from modules.experience import Experience
+
+LENGTH_EDGES = (8, 16, 32, 64, 128)  # bucket i holds lengths < LENGTH_EDGES[i]; last is the rest
+
+
+def length_bucket(n: int) -> int:
+    for i, edge in enumerate(LENGTH_EDGES):
+        if n < edge:
+            return i
+    return len(LENGTH_EDGES)
+
+
+def kl(p: Counter, q: Counter, eps: float = 1e-3) -> float:
+    """KL(p || q) between two count histograms, smoothed so empty buckets stay finite."""
+    keys = set(p) | set(q)
+    if not keys or not sum(p.values()) or not sum(q.values()):
+        return 0.0
+    pn, qn = sum(p.values()) + eps * len(keys), sum(q.values()) + eps * len(keys)
+    return sum(
+        ((p[k] + eps) / pn) * math.log(((p[k] + eps) / pn) / ((q[k] + eps) / qn)) for k in keys if p[k] > 0
+    )
+
+
+class BiasTracker:
+    def __init__(self) -> None:
+        self.issued_levels: Counter = Counter()
+        self.generated_lengths: Counter = Counter()
+        self.trained_lengths: Counter = Counter()
+        self.trained_levels: Counter = Counter()
+        self.staleness_sum: Counter = Counter()
+
+    def on_issue(self, level: int | None) -> None:
+        self.issued_levels[level] += 1
+
+    def on_generated(self, exp: Experience) -> None:
+        self.generated_lengths[length_bucket(len(exp.response_ids))] += 1
+
+    def on_trained(self, exps: list[Experience]) -> None:
+        for e in exps:
+            b = length_bucket(len(e.response_ids))
+            self.trained_lengths[b] += 1
+            self.trained_levels[e.difficulty] += 1
+            self.staleness_sum[b] += e.staleness
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "bias/len_kl_trained_vs_issued": kl(self.trained_lengths, self.generated_lengths),
+            "bias/level_kl_trained_vs_issued": kl(self.trained_levels, self.issued_levels),
+        }
+        occupied = sorted(b for b, n in self.trained_lengths.items() if n)
+        if len(occupied) >= 2:
+            lo, hi = occupied[0], occupied[-1]
+            out["bias/staleness_long_minus_short"] = (
+                self.staleness_sum[hi] / self.trained_lengths[hi]
+                - self.staleness_sum[lo] / self.trained_lengths[lo]
+            )
+        total = sum(self.trained_levels.values())
+        for level, n in sorted(self.trained_levels.items(), key=lambda kv: str(kv[0])):
+            if level is not None:
+                out[f"bias/trained_frac_level{level}"] = n / total
+        return out
