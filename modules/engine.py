@@ -183,7 +183,8 @@ class VLLMEngine:
             return
         if not hasattr(os, "sched_setaffinity"):
             return
-        rest = os.sched_getaffinity(0) - _parse_cores(str(self.cpu_cores))
+        self._saved_affinity = os.sched_getaffinity(0)
+        rest = self._saved_affinity - _parse_cores(str(self.cpu_cores))
         if rest:
             os.sched_setaffinity(0, rest)
 
@@ -260,6 +261,10 @@ class VLLMEngine:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
         self._thread = None
+        saved = getattr(self, "_saved_affinity", None)
+        if saved:  # the next engine in this process (e.g. a Hydra multirun job) starts clean
+            os.sched_setaffinity(0, saved)
+            self._saved_affinity = None
 
     def __enter__(self) -> VLLMEngine:
         return self.start()
