@@ -146,6 +146,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
             if due:
                 since_sync, last_sync = 0, time.monotonic()
+            batches = []
             for epoch in range(self.epochs):
                 order = list(range(n))
                 rng.shuffle(order)
@@ -155,7 +156,13 @@ class RolloutDataModule(L.LightningDataModule):
                     batch["sync_after"] = due and epoch == self.epochs - 1 and k == self.minibatches - 1
                     batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
                     batch["num_samples"] = len(chunk) if epoch == 0 else 0
-                    yield batch
+                    batches.append(batch)
+            # Decoupled PPO needs pi_old: the trainer's logprobs before this update's first step.
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            if getattr(module, "needs_old_logprobs", False):
+                for batch in batches:
+                    batch["old_logprobs"] = module.old_logprobs(batch)
+            yield from batches
 
     # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:

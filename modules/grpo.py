@@ -77,7 +77,16 @@ class GRPOModule(L.LightningModule):
             # Staleness policy `recompute`: the current policy's logprobs become the behaviour
             # logprobs (ratio starts at 1); the tokens are still the old policy's samples.
             behavior = torch.where(recompute[:, None], logp.detach(), behavior)
-        loss, metrics = self.loss_fn(logp, behavior, batch["advantages"], mask, weights=batch["weights"])
+        extra = {"old_logp": batch["old_logprobs"]} if "old_logprobs" in batch else {}
+        loss, metrics = self.loss_fn(
+            logp,
+            behavior,
+            batch["advantages"],
+            mask,
+            weights=batch["weights"],
+            staleness=batch.get("staleness"),
+            **extra,
+        )
         self.samples_trained += int(batch["num_samples"])
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
@@ -94,7 +103,7 @@ class GRPOModule(L.LightningModule):
         log = partial(self.log, on_step=True, on_epoch=False, batch_size=bs)
         log("train/loss", loss.detach())
         for k, v in metrics.items():
-            log(f"train/{k}", v)
+            log(k if "/" in k else f"train/{k}", v)  # is/*, mismatch/* keep their group
         log("train/entropy", (entropy * mask).sum() / mask.sum().clamp_min(1))
         log("train/advantage_abs_mean", batch["advantages"].abs().mean())
         stats = batch.get("rollout_stats") or {}
@@ -121,6 +130,18 @@ class GRPOModule(L.LightningModule):
             engine_wall = max(time.time() - engine.started_at, 1e-9)
             log("perf/engine_idle_frac", 1.0 - engine.busy_seconds() / engine_wall)
             log("perf/tokens_per_s", engine.tokens_generated / engine_wall)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return getattr(self.loss_fn, "keywords", {}).get("anchor") == "decoupled"
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """pi_old for decoupled PPO: current weights, before this rollout batch's updates."""
+        ids = batch["input_ids"].to(self.device)
+        mask = batch["attention_mask"].to(self.device)
+        logp, _ = token_logprobs(self.policy, ids, mask, self.temperature)
+        return logp.cpu()
 
     # ------------------------------------------------------------------ weights
     def weights_for_engine(self) -> dict[str, torch.Tensor]:

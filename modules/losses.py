@@ -1,58 +1,221 @@
 """Policy losses: pure functions of tensors (no module state), selected by ``_target_``.
 
-All per-token tensors are ``[B, T]`` and aligned to targets; ``mask`` is 1 on trained
-response tokens. ``advantages`` and ``weights`` are per sequence, ``[B]``.
+A loss is assembled from independent parts, each chosen in ``conf/algo``:
 
-Aggregation is token-mean over the minibatch: ``sum(mask * l) / sum(mask)``. Masked tokens
-leave both numerator and denominator.
+    policy_loss = aggregate( objective(logp, anchor, A) * behaviour_weight * sample_weight )
+                  + kl_coef * aggregate( kl(logp, ref_logp) )
 
-PPO-clip here anchors the ratio on the behaviour logprobs mu from the engine
-(``r = pi_theta / mu``, "bypass" mode): in sync mode mu equals the trainer's pre-update
-policy up to ~1e-6, and after the first minibatch the clip keeps later minibatches close to
-the policy that generated the data, as in the textbook.
+* **objective** (per token, ``[B, T]``): ``ppo_clip`` (eps_low / eps_high, optional dual clip
+  c for A < 0), ``cispo``, ``gspo``, ``gmpo``, ``reinforce``.
+* **anchor**: ``bypass`` uses the behaviour logprobs mu as pi_old (``r = pi / mu``);
+  ``decoupled`` (AReaL) uses the trainer's pi_old (``r = pi / pi_old``) and a detached
+  behaviour weight ``w = pi_old / mu`` from ``modules/corrections.py``. In bypass mode
+  ``w = 1``, so only corrections that look at pi (e.g. ``ds_seq_mask``) change anything.
+* **aggregation**: ``token_mean`` = sum(mask * l) / sum(mask) over the batch;
+  ``seq_mean_token_mean`` (original GRPO) = mean over sequences of each sequence's token mean;
+  ``seq_mean_token_sum`` = mean over sequences of token sums; ``seq_mean_token_sum_norm``
+  (Dr.GRPO) = sum(mask * l) / (B * norm_const). Masked tokens (mask 0, including tokens a
+  correction zeroes *through the weight*) keep their place in the denominator: a correction
+  that rejects a token removes its gradient, not its share of the normaliser.
+* **kl** to a reference policy (k1, k2, k3 with rho = pi_ref / pi), in the loss.
+
+All tensors per token are aligned to targets; ``advantages`` and ``weights`` are ``[B]``.
+Log-ratios are clamped to +-20 before ``exp``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-LOG_RATIO_CLAMP = 20.0
+from modules.corrections import LOG_CLAMP, Correction, NoCorrection
+
+LOG_RATIO_CLAMP = LOG_CLAMP
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def ppo_clip_loss(
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm_const: float | None = None
+) -> torch.Tensor:
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    seq_tokens = mask.sum(dim=1)
+    seq_sum = (per_token * mask).sum(dim=1)
+    has = seq_tokens > 0
+    if mode == "seq_mean_token_mean":
+        return (seq_sum[has] / seq_tokens[has]).mean() if has.any() else per_token.sum() * 0
+    if mode == "seq_mean_token_sum":
+        return seq_sum.mean()
+    if mode == "seq_mean_token_sum_norm":
+        if not norm_const:
+            raise ValueError(
+                "algo.aggregation=seq_mean_token_sum_norm needs algo.norm_const (e.g. max_tokens)"
+            )
+        return seq_sum.sum() / (per_token.shape[0] * norm_const)
+    raise ValueError(f"algo.aggregation={mode!r}: must be one of {', '.join(AGGREGATIONS)}")
+
+
+def _log_ratio(logp: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    return (logp - anchor.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+# ---------------------------------------------------------------------------- objectives
+# Each returns (per-token loss [B, T], metrics). ``anchor`` is pi_old (or mu in bypass mode).
+
+
+def ppo_clip(
+    logp,
+    anchor,
+    advantages,
+    mask,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+):
+    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual_clip c, A<0 tokens are also
+    bounded by -c A (their loss cannot exceed c |A|)."""
+    log_ratio = _log_ratio(logp, anchor)
+    ratio = log_ratio.exp()
+    adv = advantages.detach()[:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    with torch.no_grad():
+        clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+        metrics = {"clip_frac": masked_mean(clipped.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
+    return per_token, metrics
+
+
+def cispo(logp, anchor, advantages, mask, eps_low: float = 0.2, eps_high: float = 0.2):
+    """-sg(clip(r)) A log pi: clipped tokens still pass gradient through log pi."""
+    ratio = _log_ratio(logp, anchor).exp()
+    w = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
+    per_token = -w * advantages.detach()[:, None] * logp
+    with torch.no_grad():
+        clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
+        metrics = {"clip_frac": masked_mean(clipped.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
+    return per_token, metrics
+
+
+def gspo(logp, anchor, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
+    """Sequence ratio s = exp(mean_t log r), clipped at sequence level; the per-token form
+    s_t = sg(s) * pi / sg(pi) gives every token the sequence's (clipped) weight."""
+    log_ratio = _log_ratio(logp, anchor)
+    seq_log = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+    s_tok = seq_log.detach().exp() * (logp - logp.detach()).exp()
+    adv = advantages.detach()[:, None]
+    per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
+    with torch.no_grad():
+        s = seq_log.exp()
+        clipped = ((s < 1 - eps_low) & (adv < 0)) | ((s > 1 + eps_high) & (adv > 0))
+        metrics = {"clip_frac": clipped.float().mean(), "ratio_mean": s.mean()}
+    return per_token, metrics
+
+
+def gmpo(logp, anchor, advantages, mask, eps: float = 0.4):
+    """Geometric mean of token ratios, each clipped in log space to [-eps, eps] on the side the
+    advantage's sign makes pessimistic; one weight per sequence, spread over its tokens."""
+    log_ratio = _log_ratio(logp, anchor)
+    adv = advantages.detach()[:, None]
+    sign = torch.sign(adv)
+    clipped = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-eps, eps))
+    n = mask.sum(1, keepdim=True).clamp_min(1)
+    seq_ratio = ((clipped * mask).sum(1, keepdim=True) / n).exp()
+    # one value per sequence on every token: aggregate with seq_mean_token_mean for the paper's form
+    per_token = -(seq_ratio * adv).expand_as(logp)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((clipped != log_ratio).float(), mask),
+            "ratio_mean": seq_ratio.mean(),
+        }
+    return per_token, metrics
+
+
+def reinforce(logp, anchor, advantages, mask):
+    """Plain REINFORCE with importance sampling: -sg(r) A log pi (no clipping)."""
+    ratio = _log_ratio(logp, anchor).exp().detach()
+    per_token = -ratio * advantages.detach()[:, None] * logp
+    return per_token, {"clip_frac": torch.zeros(()), "ratio_mean": masked_mean(ratio, mask)}
+
+
+# ---------------------------------------------------------------------------- KL to reference
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from tokens sampled by pi; rho = pi_ref / pi."""
+    log_rho = (ref_logp.detach() - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "k1":
+        return -log_rho
+    if kind == "k2":
+        return 0.5 * log_rho**2
+    if kind == "k3":
+        return log_rho.exp() - 1 - log_rho
+    raise ValueError(f"algo.kl.kind={kind!r}: must be one of k1, k2, k3")
+
+
+# ---------------------------------------------------------------------------- assembled loss
+
+
+def policy_loss(
     logp: torch.Tensor,
     behavior_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
+    objective: Callable = ppo_clip,
+    correction: Correction | None = None,
+    anchor: str = "bypass",
+    aggregation: str = "token_mean",
+    norm_const: float | None = None,
+    old_logp: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    staleness: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_kind: str = "k3",
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate, token-mean.
-
-    ``loss = -mean_t w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` with
-    ``r = exp(logp - behavior_logp)``. Returns ``(loss, metrics)``; metrics carry no grad.
-    """
-    log_ratio = (logp - behavior_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    adv = advantages.detach()[:, None]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    """The training loss and its metrics (see module docstring)."""
+    if anchor not in ("bypass", "decoupled"):
+        raise ValueError(f"algo.anchor={anchor!r}: must be one of bypass, decoupled")
+    if anchor == "decoupled" and old_logp is None:
+        raise ValueError("algo.anchor=decoupled needs the trainer's pi_old logprobs (old_logp)")
+    pi_old = behavior_logp if anchor == "bypass" else old_logp
+    correction = correction or NoCorrection()
+    w, metrics = correction(
+        (pi_old - behavior_logp).detach(),
+        mask,
+        logp=logp.detach(),
+        behavior_logp=behavior_logp,
+        advantages=advantages,
+        staleness=staleness if staleness is not None else torch.zeros(len(logp)),
+    )
+    per_token, obj_metrics = objective(logp, pi_old, advantages, mask)
+    per_token = per_token * w
     if weights is not None:
         per_token = per_token * weights.detach()[:, None]
-    loss = masked_mean(per_token, mask)
+    loss = aggregate(per_token, mask, aggregation, norm_const)
     with torch.no_grad():
-        is_clipped = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
-        # k3 estimate of KL(mu || pi_theta) from tokens sampled by mu: r - 1 - log r.
-        k3 = ratio - 1.0 - log_ratio
-        metrics = {
-            "clip_frac": masked_mean(is_clipped.float(), mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "kl_behavior": masked_mean(k3, mask),
-        }
+        # k3 estimate of KL(mu || pi) on the sampled tokens: r - 1 - log r, r = pi / mu.
+        lr = _log_ratio(logp, behavior_logp)
+        metrics["kl_behavior"] = masked_mean(lr.exp() - 1 - lr, mask)
+    metrics.update(obj_metrics)
+    if kl_coef and ref_logp is not None:
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, aggregation, norm_const)
+        loss = loss + kl_coef * kl
+        metrics["kl_ref"] = kl.detach()
     return loss, metrics
+
+
+def ppo_clip_loss(
+    logp, behavior_logp, advantages, mask, eps_low: float = 0.2, eps_high: float = 0.2, weights=None, **kwargs
+):
+    """PPO-clip in bypass mode with token-mean aggregation (the default GRPO loss)."""
+
+    def objective(lp, anc, adv, m):
+        return ppo_clip(lp, anc, adv, m, eps_low, eps_high)
+
+    return policy_loss(logp, behavior_logp, advantages, mask, objective=objective, weights=weights, **kwargs)

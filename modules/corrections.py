@@ -1,0 +1,207 @@
+"""Behaviour weights for off-policy tokens: pure, detached functions of log-probabilities.
+
+Notation: mu = behaviour logprobs from the engine, pi_old = the trainer's logprobs at the start
+of the update (no grad), pi = current policy. Every correction sees ``log_w = log pi_old -
+log mu`` per token (0 everywhere in ``bypass`` mode, where pi_old := mu) and returns a weight
+per token ``[B, T]`` that multiplies the per-token objective, plus diagnostics. Log-ratios are
+clamped to +-20 before ``exp``. Weights never carry gradient.
+
+Selected with ``algo/correction=<name>`` (``conf/algo/correction/``). What each corrects:
+
+* ``none``: nothing. With staleness the estimator is biased.
+* ``token_is``: per-token ratio. Low variance; ignores the shift in the distribution of
+  prefixes (states), so it is biased once the lag K > 0, more so for long horizons.
+* ``tis`` (cap C, default 2): token IS truncated at C. Lower variance, extra bias.
+* ``seq_is`` / ``tseq_is``: product of token ratios over the response (truncated at C).
+  Unbiased (untruncated) for the sequence-level objective; variance grows fast with length.
+* ``geo_seq_is``: exp(mean_t log w): a per-sequence weight that behaves like token IS.
+* ``mis`` (lower, upper, level token|sequence|geometric): masked IS: the weight where the
+  ratio is inside [lower, upper], zero outside (rejection of extreme samples).
+* ``icepop`` (alpha 0.5, beta 5): token ratio kept inside [alpha, beta], zero outside.
+* ``ds_seq_mask`` (delta): DeepSeek-V3.2 off-policy sequence masking: drop a sequence when its
+  advantage is negative and mean_t log(mu / pi) > delta. Weight 1 otherwise.
+* ``m2po`` (tau 0.04): mask the tokens with the largest (log mu - log pi_old)^2 until the mean
+  of the rest is below tau.
+* ``vtrace`` (rho_bar, c_bar): min(rho_bar, w_t) * prod_{s<t} min(c_bar, w_s), the V-trace
+  truncation applied along the response (no value function: traces only re-weight).
+* ``lag`` (gamma): gamma ** staleness per sample (from the experience record).
+
+Any of them can be self-normalised (``self_normalize: true``): divided by the masked batch
+mean of the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG_CLAMP = 20.0
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum(dim=1, keepdim=True)
+
+
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _seq_sum(x, mask) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def _exp(log_w: torch.Tensor) -> torch.Tensor:
+    return log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()
+
+
+def diagnostics(w: torch.Tensor, mask: torch.Tensor, log_w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ESS fraction, weight quantiles, share zeroed, and mu vs pi_old mismatch (k1, k3, max)."""
+    m = mask > 0
+    vals = w[m]
+    if vals.numel() == 0:
+        vals = torch.ones(1)
+    ess = vals.sum() ** 2 / (vals.numel() * (vals**2).sum()).clamp_min(1e-12)
+    rho = _exp(log_w)
+    return {
+        "is/ess_frac": ess,
+        "is/weight_min": vals.min(),
+        "is/weight_mean": vals.mean(),
+        "is/weight_max": vals.max(),
+        "is/weight_p99": torch.quantile(vals.float(), 0.99),
+        "is/zeroed_frac": (vals == 0).float().mean(),
+        "mismatch/k1": _masked_mean(-log_w, mask),  # KL(mu || pi_old), samples from mu
+        "mismatch/k3": _masked_mean(rho - 1 - log_w.clamp(-LOG_CLAMP, LOG_CLAMP), mask),
+        "mismatch/max_abs_logp_diff": (log_w.abs() * mask).max() if m.any() else torch.zeros(()),
+    }
+
+
+class Correction:
+    """Base: ``__call__`` returns (weights [B, T] detached, metrics)."""
+
+    def __init__(self, self_normalize: bool = False) -> None:
+        self.self_normalize = self_normalize
+
+    def weights(self, log_w: torch.Tensor, mask: torch.Tensor, ctx: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, log_w: torch.Tensor, mask: torch.Tensor, **ctx: torch.Tensor) -> tuple:
+        log_w = log_w.detach()
+        w = self.weights(log_w, mask, ctx).detach() * mask
+        if self.self_normalize:
+            w = w / _masked_mean(w, mask).clamp_min(1e-12)
+        return w, diagnostics(w, mask, log_w)
+
+
+class NoCorrection(Correction):
+    def weights(self, log_w, mask, ctx):
+        return torch.ones_like(log_w)
+
+
+class TokenIS(Correction):
+    def weights(self, log_w, mask, ctx):
+        return _exp(log_w)
+
+
+class TruncatedTokenIS(Correction):
+    def __init__(self, cap: float = 2.0, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.cap = cap
+
+    def weights(self, log_w, mask, ctx):
+        return _exp(log_w).clamp(max=self.cap)
+
+
+class SequenceIS(Correction):
+    def __init__(self, cap: float | None = None, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.cap = cap
+
+    def weights(self, log_w, mask, ctx):
+        w = _exp(_seq_sum(log_w, mask)).expand_as(log_w)
+        return w if self.cap is None else w.clamp(max=self.cap)
+
+
+class GeometricSequenceIS(Correction):
+    def weights(self, log_w, mask, ctx):
+        return _exp(_seq_mean(log_w, mask)).expand_as(log_w)
+
+
+class MaskedIS(Correction):
+    def __init__(
+        self, lower: float = 0.5, upper: float = 2.0, level: str = "token", self_normalize: bool = False
+    ) -> None:
+        super().__init__(self_normalize)
+        if level not in ("token", "sequence", "geometric"):
+            raise ValueError(f"algo.correction.level={level!r}: must be one of token, sequence, geometric")
+        self.lower, self.upper, self.level = lower, upper, level
+
+    def weights(self, log_w, mask, ctx):
+        if self.level == "token":
+            rho = _exp(log_w)
+        elif self.level == "sequence":
+            rho = _exp(_seq_sum(log_w, mask)).expand_as(log_w)
+        else:
+            rho = _exp(_seq_mean(log_w, mask)).expand_as(log_w)
+        keep = (rho >= self.lower) & (rho <= self.upper)
+        return torch.where(keep, rho, torch.zeros_like(rho))
+
+
+class IcePop(MaskedIS):
+    def __init__(self, alpha: float = 0.5, beta: float = 5.0, self_normalize: bool = False) -> None:
+        super().__init__(alpha, beta, "token", self_normalize)
+
+
+class DeepSeekSequenceMask(Correction):
+    """Needs ``logp`` (current pi, detached) and ``advantages`` in ctx."""
+
+    def __init__(self, delta: float = 0.1, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.delta = delta
+
+    def weights(self, log_w, mask, ctx):
+        log_mu_over_pi = ctx["behavior_logp"] - ctx["logp"].detach()
+        drop = (ctx["advantages"][:, None] < 0) & (_seq_mean(log_mu_over_pi, mask) > self.delta)
+        return (~drop).float().expand_as(log_w)
+
+
+class M2PO(Correction):
+    def __init__(self, tau: float = 0.04, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.tau = tau
+
+    def weights(self, log_w, mask, ctx):
+        sq = (log_w**2) * mask
+        flat = sq[mask > 0]
+        keep = torch.ones_like(log_w)
+        if flat.numel() == 0 or flat.mean() <= self.tau:
+            return keep
+        order = torch.sort(flat, descending=True).values
+        n = order.numel()
+        rest_sum = order.sum() - torch.cumsum(order, 0)  # sum after removing the top k+1
+        rest_n = torch.arange(n - 1, -1, -1, dtype=order.dtype)
+        ok = (rest_sum / rest_n.clamp_min(1)) <= self.tau
+        k = int(torch.nonzero(ok)[0]) + 1 if ok.any() else n  # tokens to mask
+        threshold = order[k - 1]
+        return torch.where(sq >= threshold, torch.zeros_like(log_w), keep) if k > 0 else keep
+
+
+class VTrace(Correction):
+    def __init__(self, rho_bar: float = 1.0, c_bar: float = 1.0, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.rho_bar, self.c_bar = rho_bar, c_bar
+
+    def weights(self, log_w, mask, ctx):
+        w = _exp(log_w)
+        log_c = torch.log(w.clamp(max=self.c_bar).clamp_min(1e-12)) * mask
+        prefix = torch.cumsum(log_c, dim=1) - log_c  # sum over s < t
+        return w.clamp(max=self.rho_bar) * prefix.exp()
+
+
+class LagWeight(Correction):
+    """gamma ** staleness per sample; needs ``staleness`` [B] in ctx."""
+
+    def __init__(self, gamma: float = 0.9, self_normalize: bool = False) -> None:
+        super().__init__(self_normalize)
+        self.gamma = gamma
+
+    def weights(self, log_w, mask, ctx):
+        return (self.gamma ** ctx["staleness"].float())[:, None].expand_as(log_w)
