@@ -33,9 +33,19 @@ class GRPOModule(L.LightningModule):
         optimizer: partial,
         temperature: float = 1.0,
         scheduler: partial | None = None,
+        ref_model_path: str | None = None,
     ) -> None:
         super().__init__()
         check("module.temperature", temperature, temperature > 0, "a float > 0")
+        kl_coef = getattr(loss, "keywords", {}).get("kl_coef", 0.0)
+        check(
+            "module.ref_model_path",
+            ref_model_path,
+            not kl_coef or ref_model_path is not None,
+            "a model path when algo.loss.kl_coef > 0 (the KL needs a reference policy)",
+        )
+        self.ref_model_path = ref_model_path
+        self.ref_policy: Any = None
         self.model_path = str(model_path)
         self.loss_fn = loss
         self.optimizer_factory = optimizer
@@ -56,6 +66,10 @@ class GRPOModule(L.LightningModule):
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(self.model_path)
             self.policy.train()
+        if self.ref_model_path and self.ref_policy is None:
+            ref, _ = load_policy(self.ref_model_path)
+            ref.eval().requires_grad_(False)
+            object.__setattr__(self, "ref_policy", ref)  # frozen: not a submodule, not checkpointed
 
     # ------------------------------------------------------------------ training
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
@@ -78,6 +92,12 @@ class GRPOModule(L.LightningModule):
             # logprobs (ratio starts at 1); the tokens are still the old policy's samples.
             behavior = torch.where(recompute[:, None], logp.detach(), behavior)
         extra = {"old_logp": batch["old_logprobs"]} if "old_logprobs" in batch else {}
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                self.ref_policy.to(self.device)
+                extra["ref_logp"], _ = token_logprobs(
+                    self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
+                )
         loss, metrics = self.loss_fn(
             logp,
             behavior,
