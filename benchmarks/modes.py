@@ -53,7 +53,12 @@ def summarize(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--recipes", nargs="+", default=["sync_grpo", "partial_grpo", "async_grpo"])
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["sync_grpo", "partial_grpo", "async_grpo", "async_grpo:rollout.stratify=true"],
+        help="recipe names; 'name:override,override' adds overrides to one variant",
+    )
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "modes"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
@@ -68,10 +73,12 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def run_recipe(recipe: str, seeds: list[int], out: Path, overrides: list[str]) -> list[dict]:
+def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> list[dict]:
+    recipe, _, extra = spec.partition(":")
+    overrides = [*overrides, *filter(None, extra.split(","))]
     per_seed = []
     for seed in seeds:
-        run_dir = out / recipe / f"seed{seed}"
+        run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
         t0 = time.time()
         cmd = [
             sys.executable,
@@ -102,6 +109,18 @@ def run_recipe(recipe: str, seeds: list[int], out: Path, overrides: list[str]) -
                 if any(r.get("rollout/dropped") for r in rows)
                 else 0.0,
                 "response_len_mean": mean_of(rows, "train/response_len_mean"),
+                "len_kl_trained_vs_issued": last(rows, "bias/len_kl_trained_vs_issued"),
+                "level_kl_trained_vs_issued": last(rows, "bias/level_kl_trained_vs_issued"),
+                "staleness_long_minus_short": last(rows, "bias/staleness_long_minus_short")
+                if any(r.get("bias/staleness_long_minus_short") for r in rows)
+                else 0.0,
+                "trained_frac_level2": last(rows, "bias/trained_frac_level2")
+                if any(r.get("bias/trained_frac_level2") for r in rows)
+                else 0.0,
+                **{
+                    f"staleness_frac_{k}": mean_of(rows, f"rollout/staleness_frac_{k}")
+                    for k in ("0", "1", "2", "3plus")
+                },
                 "samples_per_s": last(rows, "perf/samples_per_s"),
                 "tokens_per_s": last(rows, "perf/tokens_per_s"),
                 "trainer_idle_frac": last(rows, "perf/trainer_idle_frac"),
@@ -118,7 +137,7 @@ def run_recipe(recipe: str, seeds: list[int], out: Path, overrides: list[str]) -
                 ),
             }
         )
-        print(json.dumps({"recipe": recipe, **per_seed[-1]}), file=sys.stderr)
+        print(json.dumps({"recipe": spec, **per_seed[-1]}), file=sys.stderr)
     return per_seed
 
 
@@ -138,6 +157,14 @@ def aggregate(per_seed: list[dict]) -> dict:
         "staleness_max",
         "dropped_groups",
         "response_len_mean",
+        "len_kl_trained_vs_issued",
+        "level_kl_trained_vs_issued",
+        "staleness_long_minus_short",
+        "trained_frac_level2",
+        "staleness_frac_0",
+        "staleness_frac_1",
+        "staleness_frac_2",
+        "staleness_frac_3plus",
     ]
     return {
         **{k: summarize([s[k] for s in per_seed]) for k in keys},
@@ -153,7 +180,7 @@ def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"sync_grpo": "C0", "partial_grpo": "C1", "async_grpo": "C2"}
+    colors = {name: f"C{i}" for i, name in enumerate(all_runs)}
     for recipe, runs in all_runs.items():
         for i, s in enumerate(runs):
             steps, vals = zip(*s["eval_history"])
