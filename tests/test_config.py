@@ -69,3 +69,8 @@ def test_bad_value_fails_fast_naming_the_field(override, expected, tmp_path):
 def test_run_dirs_are_per_recipe():
     cfg = compose(["recipe=sft_warmup"])
     assert Path(cfg.model.path).name == "tiny-qwen-sft"
+
+
+def test_run_seed_reaches_prompt_order_and_engine():
+    cfg = compose(["seed=3"])
+    assert cfg.data.seed == 3 and cfg.engine.seed == 3
