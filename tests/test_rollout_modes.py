@@ -276,3 +276,28 @@ def test_sync_mode_has_no_length_bias():
         ctl.bias.on_trained(ctl.next_batch())
     m = ctl.bias.metrics()
     assert m["bias/len_kl_trained_vs_issued"] < 1e-9 and m["bias/level_kl_trained_vs_issued"] < 1e-9
+
+
+def test_reweighting_moves_the_trained_level_mix_towards_the_issued_mix():
+    lengths = [4] * 80 + [60] * 20
+    eng = ScriptedEngine(max_concurrency=8)
+    ctl = bind(
+        StreamingRollout(
+            8,
+            1,
+            SAMPLING,
+            max_inflight=16,
+            max_staleness=2,
+            staleness=Drop(),
+            buffer_capacity=24,
+            reweight=True,
+        ),
+        eng,
+        lengths,
+    )
+    trained = [e for _, batch in run(ctl, eng, 12, step_time=3.0) for e in batch]
+    issued = ctl.bias.issued_levels[1] / sum(ctl.bias.issued_levels.values())
+    plain = sum(e.difficulty == 1 for e in trained) / len(trained)
+    weighted = sum(e.weight for e in trained if e.difficulty == 1) / sum(e.weight for e in trained)
+    assert plain < issued  # long prompts are under-trained when the first finished are consumed
+    assert abs(weighted - issued) < abs(plain - issued)

@@ -69,6 +69,7 @@ class StreamingRollout(RolloutController):
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,
         stratify: bool = False,
+        reweight: bool = False,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
         check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
@@ -89,6 +90,8 @@ class StreamingRollout(RolloutController):
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
         self.stratify = stratify
+        self.reweight = reweight
+        self._trained_levels: dict = {}
         self._cv = threading.Condition(threading.RLock())
         self._requests: dict[cf.Future, Pending] = {}
         self._groups: dict[int, _Group] = {}
@@ -196,6 +199,24 @@ class StreamingRollout(RolloutController):
     def _start_iteration(self) -> None:
         """Hook for PartialRollout."""
 
+    def _reweight_by_level(self, chosen: list[_Ready]) -> None:
+        """Sampling-probability weighting against completion-time bias: a group's weight is
+        its level's share of issued samples over its level's share of everything trained so
+        far (this batch included). Under-trained (slow) levels get weight > 1 when they do
+        arrive; averaged over the run the weights are 1, and the weighted level mix of trained
+        samples tracks the issued mix. Batch-to-batch loss scale varies accordingly."""
+        for r in chosen:
+            self._trained_levels[r.level] = self._trained_levels.get(r.level, 0) + len(r.exps)
+        issued = {lv: n for lv, n in self.bias.issued_levels.items() if lv is not None}
+        total_issued, total_trained = sum(issued.values()), sum(self._trained_levels.values())
+        if not total_issued:
+            return
+        for r in chosen:
+            share_trained = self._trained_levels[r.level] / total_trained
+            w = (issued.get(r.level, 0) / total_issued) / share_trained
+            for e in r.exps:
+                e.weight *= w
+
     def _stratified_choice(self) -> list[_Ready] | None:
         """Mitigate completion-time bias: each difficulty level gets a quota of the batch equal
         to its share of issued samples; wait while a level is short of its quota and still has
@@ -275,6 +296,8 @@ class StreamingRollout(RolloutController):
                 if e.recompute:
                     self.counters["recomputed"] += 1
                 out.append(e)
+        if self.reweight:
+            self._reweight_by_level(chosen)
         self.stats = {
             "rollout/buffer_size": float(len(self._buffer)),
             "rollout/inflight": float(len(self._groups)),
