@@ -1,4 +1,4 @@
-"""Rollout-mode semantics on a scripted virtual-clock engine (tests/fake_engine.py).
+"""Rollout-mode semantics on the simulated virtual-clock engine (benchmarks/sim_engine.py).
 
 The fake engine is a fixture for exact timing; the same controllers drive vLLM in training.
 """
@@ -9,33 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.sim_engine import CharTokenizer, SimEngine, SimTask
 from modules.advantages import GroupAdvantage
 from modules.engine import EngineError, SamplingConfig
 from modules.rollout.base import PromptStream, RewardError, RolloutContext
 from modules.rollout.staleness import Admit, Downweight, Drop, Recompute
 from modules.rollout.streaming import PartialRollout, StreamingRollout
 from modules.rollout.sync import SyncRollout
-from tests.fake_engine import CharTokenizer, ScriptedEngine
-
-
-class LatencyTask:
-    """Rows carry a generation length; prompt "<length>|" tells the fake engine."""
-
-    def __init__(self, lengths: list[int], fail: bool = False) -> None:
-        self.rows = [{"id": i, "length": n, "level": int(n >= 50)} for i, n in enumerate(lengths)]
-        self.fail = fail
-
-    def prompt_text(self, row: dict) -> str:
-        return f"{row['length']}|"
-
-    def reward(self, row: dict, text: str) -> float:
-        if self.fail:
-            raise ValueError("verifier crashed")
-        return float(row["id"] % 3 == 0)
 
 
 def bind(ctl, engine, lengths, fail=False):
-    task = LatencyTask(lengths, fail)
+    task = SimTask(lengths, fail=fail)
     ctl.bind(RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=0), GroupAdvantage()))
     return ctl
 
@@ -45,7 +29,7 @@ SAMPLING = SamplingConfig(max_tokens=1000)
 
 
 def test_seed_example_streaming_updates_when_32nd_short_request_finishes():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(
         StreamingRollout(32, 1, SAMPLING, max_inflight=100, max_staleness=10, buffer_capacity=100),
         eng,
@@ -57,14 +41,14 @@ def test_seed_example_streaming_updates_when_32nd_short_request_finishes():
 
 
 def test_seed_example_sync_waits_for_the_last_long_request():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(SyncRollout(100, 1, SAMPLING), eng, SEED_WORKLOAD)
     batch = ctl.next_batch()
     assert eng.now == 100 and len(batch) == 100
 
 
 def test_seed_example_partial_ends_at_the_pth_complete_group_and_carries_the_rest():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(PartialRollout(16, 1, SAMPLING, over_provision=2.0), eng, SEED_WORKLOAD)
     batch = ctl.next_batch()
     snap = ctl.snapshot()
@@ -94,7 +78,7 @@ def run(ctl, eng, batches, step_time=1.0, sync_every=1):
 @pytest.mark.parametrize("policy", [Admit(), Drop()])
 def test_max_staleness_zero_is_sync_semantics(policy):
     lengths = [3, 7, 40, 12, 90, 5, 5, 60, 2, 33] * 5
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(
         StreamingRollout(
             4, 2, SAMPLING, max_inflight=8, max_staleness=0, staleness=policy, buffer_capacity=16
@@ -112,7 +96,7 @@ def test_max_staleness_zero_is_sync_semantics(policy):
 
 
 def test_abort_carry_over_keeps_logprobs_versions_and_mask_aligned():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(
         StreamingRollout(
             1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="abort", buffer_capacity=4
@@ -135,7 +119,7 @@ def test_abort_carry_over_keeps_logprobs_versions_and_mask_aligned():
 
 
 def test_keep_in_flight_update_records_version_spans():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(
         StreamingRollout(1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="keep", buffer_capacity=4),
         eng,
@@ -153,7 +137,7 @@ def test_downweight_and_recompute_mark_stale_groups():
         (Downweight(gamma=0.5), lambda e: e.weight == 0.5 ** (e.staleness - 0)),
         (Recompute(), lambda e: e.recompute),
     ]:
-        eng = ScriptedEngine()
+        eng = SimEngine()
         ctl = bind(
             StreamingRollout(
                 2, 1, SAMPLING, max_inflight=6, max_staleness=0, staleness=policy, buffer_capacity=8
@@ -166,14 +150,14 @@ def test_downweight_and_recompute_mark_stale_groups():
 
 
 def test_reward_failure_surfaces_in_the_trainer():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [3, 5, 8], fail=True)
     with pytest.raises(RewardError, match="verifier crashed"):
         ctl.next_batch()
 
 
 def test_engine_death_surfaces_in_the_trainer():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [30, 50])
     eng.kill()
     with pytest.raises(EngineError):
@@ -204,7 +188,7 @@ def test_streaming_invariants(
     sync_every,
 ):
     staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5)}[policy]
-    eng = ScriptedEngine(max_concurrency=concurrency)
+    eng = SimEngine(max_concurrency=concurrency)
     capacity = max(prompts_per_step, max_inflight) + 2
     ctl = bind(
         StreamingRollout(
@@ -240,7 +224,7 @@ def test_streaming_invariants(
 
 def bias_run(stratify: bool) -> dict[str, float]:
     lengths = [4] * 80 + [60] * 20  # level 0 short, level 1 long (LatencyTask: level = length >= 50)
-    eng = ScriptedEngine(max_concurrency=8)
+    eng = SimEngine(max_concurrency=8)
     ctl = bind(
         StreamingRollout(
             8,
@@ -270,7 +254,7 @@ def test_completion_time_bias_is_measured_and_stratified_batches_reduce_it():
 
 
 def test_sync_mode_has_no_length_bias():
-    eng = ScriptedEngine()
+    eng = SimEngine()
     ctl = bind(SyncRollout(4, 2, SAMPLING), eng, [4, 60, 9, 30])
     for _ in range(3):
         ctl.bias.on_trained(ctl.next_batch())
@@ -280,7 +264,7 @@ def test_sync_mode_has_no_length_bias():
 
 def test_reweighting_moves_the_trained_level_mix_towards_the_issued_mix():
     lengths = [4] * 80 + [60] * 20
-    eng = ScriptedEngine(max_concurrency=8)
+    eng = SimEngine(max_concurrency=8)
     ctl = bind(
         StreamingRollout(
             8,

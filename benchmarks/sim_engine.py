@@ -1,4 +1,5 @@
-"""A scripted, virtual-clock stand-in for VLLMEngine. Test fixture only, never the product path.
+"""A simulated, virtual-clock stand-in for VLLMEngine: for the pipeline simulator
+(``benchmarks/pipeline.py``) and the rollout-semantics tests. Never the training path.
 
 Each request generates one token per time unit; its length (= latency) is read from the
 prompt, ``"<length>|"`` in the fake tokenizer's encoding, minus any partial response already
@@ -16,6 +17,33 @@ import itertools
 from dataclasses import dataclass, field
 
 from modules.engine import Completion, EngineError, SamplingConfig
+
+
+class SimTask:
+    """Rows carry a generation length; the prompt ``"<length>|"`` tells SimEngine how long the
+    response is. ``level`` is the index of the length class (difficulty) for bias metrics."""
+
+    def __init__(self, lengths: list[int], levels: list[int] | None = None, fail: bool = False) -> None:
+        levels = levels if levels is not None else [int(n >= 50) for n in lengths]
+        self.rows = [{"id": i, "length": n, "level": lv} for i, (n, lv) in enumerate(zip(lengths, levels))]
+        self.fail = fail
+
+    @classmethod
+    def mixture(cls, latencies: list[tuple[float, float]], n: int, seed: int = 0) -> SimTask:
+        """n prompts whose lengths follow [(length, probability), ...]; level = class index."""
+        import random
+
+        rng = random.Random(seed)
+        classes = rng.choices(range(len(latencies)), weights=[p for _, p in latencies], k=n)
+        return cls([int(latencies[c][0]) for c in classes], classes)
+
+    def prompt_text(self, row: dict) -> str:
+        return f"{row['length']}|"
+
+    def reward(self, row: dict, text: str) -> float:
+        if self.fail:
+            raise ValueError("verifier crashed")
+        return float(row["id"] % 3 == 0)
 
 
 class CharTokenizer:
@@ -45,7 +73,7 @@ class _Req:
     start_version: int = 0
 
 
-class ScriptedEngine:
+class SimEngine:
     health_poll_s = 0.01
     stall_timeout_s = 1e9
 
@@ -60,6 +88,9 @@ class ScriptedEngine:
         self.dead = False
         self.completed: list[tuple[float, str]] = []  # (time, request id)
         self.submitted = 0
+        self.busy_time = 0.0  # time with >= 1 request running
+        self.slot_time = 0.0  # integral of running requests over time
+        self._last = 0.0
 
     # --- VLLMEngine interface used by the controllers
     def check_health(self) -> None:
@@ -100,6 +131,7 @@ class ScriptedEngine:
         if not self._heap:
             raise RuntimeError("advance() with nothing in flight: the controller would wait forever")
         t = self._heap[0][0]
+        self._account(t)
         while self._heap and self._heap[0][0] == t:
             _, _, rid = heapq.heappop(self._heap)
             req = self._running.pop(rid, None)
@@ -142,7 +174,17 @@ class ScriptedEngine:
         """Let virtual time pass (e.g. a training step), completing what finishes by ``t``."""
         while self._heap and self._heap[0][0] <= t:
             self.advance()
+        self._account(max(self.now, t))
         self.now = max(self.now, t)
+
+    def _account(self, t: float) -> None:
+        """Engine utilisation bookkeeping up to time t (before completions at t are removed)."""
+        dt = t - self._last
+        if dt > 0:
+            running = len(self._running)
+            self.busy_time += dt if running else 0.0
+            self.slot_time += dt * running
+            self._last = t
 
     def kill(self) -> None:
         self.dead = True
