@@ -8,7 +8,7 @@ export PROJECT_ROOT := $(CURDIR)
 
 SFT_MODEL := artifacts/tiny-qwen-sft/config.json
 
-.PHONY: install sft train test test-fast lint format clean
+.PHONY: install sft train test test-fast lint format clean report
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(SFT_MODEL):
 # Default recipe (sync GRPO with the real vLLM engine); extra overrides via ARGS="...".
 train: $(SFT_MODEL)
 	$(BIN)/python train.py $(ARGS)
+
+# Dashboard PNG from a run's metrics.csv: make report RUN=outputs/<recipe>/<time>
+report:
+	@test -n "$(RUN)" || (echo "usage: make report RUN=<run dir with metrics.csv>"; exit 2)
+	$(BIN)/python -m benchmarks.report $(RUN)
 
 test:
 	$(BIN)/python -m pytest -q

@@ -141,6 +141,8 @@ class GRPOModule(L.LightningModule):
         log("rollout/staleness_max", staleness.max())
         elapsed = max(time.perf_counter() - (self._t_start or time.perf_counter()), 1e-9)
         log("perf/samples_per_s", (self.samples_trained - self._samples_at_start) / elapsed, prog_bar=True)
+        log("perf/wall_s", elapsed)
+        log("perf/samples_total", float(self.samples_trained))
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)

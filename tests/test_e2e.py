@@ -80,6 +80,17 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
     assert any((before[k] - after[k]).abs().max() > 0 for k in before)
     summary = json.loads((tmp_path / "eval_summary.json").read_text())
     assert summary["first"]["step"] == 0 and summary["last"]["step"] == steps
+    # make report renders the dashboard from this run's metrics.csv
+    proc = subprocess.run(
+        ["make", "report", f"RUN={tmp_path}", f"BIN={Path(sys.executable).parent}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    png = (tmp_path / "dashboard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
 def test_sft_warmup_smoke(tmp_path, models):

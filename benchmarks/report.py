@@ -1,0 +1,119 @@
+"""Render a run's dashboard PNG from its metrics.csv.
+
+    make report RUN=outputs/sync_grpo/2026-11-29_12-00-00
+    python -m benchmarks.report outputs/async_grpo/<time> [--out dashboard.png]
+
+Panels: reward (train and held-out) vs wall-clock and vs trained samples; staleness histogram
+over time; IS weights and ESS; response lengths and the length bias; trainer and engine idle
+fractions; weight-sync time. Panels whose metrics the run did not log say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+
+def load(run: Path) -> list[dict[str, float]]:
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+
+
+def series(rows: list[dict[str, float]], x: str, y: str) -> tuple[list[float], list[float]]:
+    pts = [(r[x], r[y]) for r in rows if x in r and y in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def render(run: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load(run)
+    # eval rows have no wall clock: place them at the wall time of the same step
+    wall = {r["step"]: r["perf/wall_s"] for r in rows if "perf/wall_s" in r and "step" in r}
+    samples = {r["step"]: r["perf/samples_total"] for r in rows if "perf/samples_total" in r and "step" in r}
+    for r in rows:
+        if "eval/reward_mean" in r and "step" in r:
+            r.setdefault("perf/wall_s", wall.get(r["step"], 0.0))
+            r.setdefault("perf/samples_total", samples.get(r["step"], 0.0))
+
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8))
+    a = ax[0][0]
+    for key, style in [("train/reward_mean", "-"), ("eval/reward_mean", "o-")]:
+        a.plot(*series(rows, "perf/wall_s", key), style, label=key)
+    a.set_xlabel("wall-clock s")
+    a.set_title("reward vs wall-clock")
+    top = a.twiny()
+    top.plot(*series(rows, "perf/samples_total", "eval/reward_mean"), alpha=0)
+    top.set_xlabel("trained samples")
+    a.legend()
+
+    a = ax[0][1]
+    keys = [k for k in ("0", "1", "2", "3plus") if any(f"rollout/staleness_frac_{k}" in r for r in rows)]
+    if keys:
+        xs = [r["step"] for r in rows if "rollout/staleness_frac_0" in r]
+        ys = [
+            [r.get(f"rollout/staleness_frac_{k}", 0) for r in rows if "rollout/staleness_frac_0" in r]
+            for k in keys
+        ]
+        a.stackplot(xs, ys, labels=[f"staleness {k}" for k in keys])
+        a.legend(loc="lower left", fontsize=8)
+    a.set_title("staleness histogram over steps")
+    a.set_xlabel("step")
+
+    a = ax[0][2]
+    for key in ("is/weight_mean", "is/weight_max", "is/ess_frac", "train/kl_behavior"):
+        xs, ys = series(rows, "step", key)
+        if xs:
+            a.plot(xs, ys, label=key)
+    a.set_yscale("symlog", linthresh=1e-3)
+    a.set_title("IS weights, ESS, behaviour KL")
+    a.set_xlabel("step")
+    a.legend(fontsize=8)
+
+    a = ax[1][0]
+    for key in ("train/response_len_mean", "train/response_len_max"):
+        a.plot(*series(rows, "step", key), label=key)
+    b = a.twinx()
+    b.plot(*series(rows, "step", "bias/len_kl_trained_vs_issued"), "k--", label="len KL trained vs issued")
+    b.set_ylabel("KL (nats)")
+    a.set_title("response length (trained) and length bias")
+    a.set_xlabel("step")
+    a.legend(loc="upper left", fontsize=8)
+    b.legend(loc="upper right", fontsize=8)
+
+    a = ax[1][1]
+    for key in ("perf/trainer_idle_frac", "perf/engine_idle_frac"):
+        a.plot(*series(rows, "perf/wall_s", key), label=key)
+    a.set_ylim(0, 1)
+    a.set_title("idle fractions (cumulative)")
+    a.set_xlabel("wall-clock s")
+    a.legend(fontsize=8)
+
+    a = ax[1][2]
+    a.plot(*series(rows, "step", "perf/weight_sync_s"), label="weight sync s")
+    a.set_title("weight-sync time")
+    a.set_xlabel("step")
+    fig.suptitle(str(run))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = render(args.run, args.out or args.run / "dashboard.png")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
