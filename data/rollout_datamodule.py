@@ -43,6 +43,8 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         sync_every: int = 1,
         sync_every_s: float | None = None,
+        reward_errors: str = "fail",
+        reward_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         check(
@@ -72,6 +74,7 @@ class RolloutDataModule(L.LightningDataModule):
             sync_every_s is None or not admission,
             "null with rollout.staleness=Admit (admission control counts batches per version)",
         )
+        rollout.configure_rewards(reward_errors, reward_timeout_s)
         self.sync_every = sync_every
         self.sync_every_s = sync_every_s
         rollout.batches_per_version = sync_every
@@ -135,6 +138,7 @@ class RolloutDataModule(L.LightningDataModule):
                 **rollout_stats(exps),
                 **getattr(self.rollout, "stats", {}),
                 **self.rollout.bias.metrics(),
+                "rollout/reward_errors": float(self.rollout.reward_error_count),
             }
             stats["perf/rollout_wait_s"] = waited
             n = len(exps)

@@ -25,6 +25,10 @@ from modules.policy import load_policy, named_weights, token_logprobs
 from modules.schedules import optimizers
 
 
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive training steps with NaN/inf logprobs or loss."""
+
+
 class GRPOModule(L.LightningModule):
     def __init__(
         self,
@@ -34,6 +38,7 @@ class GRPOModule(L.LightningModule):
         temperature: float = 1.0,
         scheduler: partial | None = None,
         ref_model_path: str | None = None,
+        max_consecutive_skips: int = 3,
     ) -> None:
         super().__init__()
         check("module.temperature", temperature, temperature > 0, "a float > 0")
@@ -44,6 +49,12 @@ class GRPOModule(L.LightningModule):
             not kl_coef or ref_model_path is not None,
             "a model path when algo.loss.kl_coef > 0 (the KL needs a reference policy)",
         )
+        check(
+            "module.max_consecutive_skips", max_consecutive_skips, max_consecutive_skips >= 1, "an int >= 1"
+        )
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.ref_model_path = ref_model_path
         self.ref_policy: Any = None
         self.model_path = str(model_path)
@@ -108,8 +119,24 @@ class GRPOModule(L.LightningModule):
             **extra,
         )
         self.samples_trained += int(batch["num_samples"])
+        if not (torch.isfinite(loss) and torch.isfinite(logp * mask).all()):
+            return self._skip_step(loss)
+        self.consecutive_skips = 0
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
+
+    def _skip_step(self, loss: torch.Tensor) -> None:
+        """Non-finite logprobs or loss: skip the optimizer step (return None), count it, and
+        stop with a clear error after ``max_consecutive_skips`` in a row."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.log("train/skipped_steps", float(self.skipped_steps), on_step=True, batch_size=1)
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{self.consecutive_skips} consecutive steps had non-finite logprobs or loss "
+                f"(last loss {loss.item()}); module.max_consecutive_skips={self.max_consecutive_skips}"
+            )
+        return None
 
     def _log_step(
         self,
@@ -146,7 +173,7 @@ class GRPOModule(L.LightningModule):
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
-        dm = getattr(self.trainer, "datamodule", None)
+        dm = getattr(self._trainer, "datamodule", None)
         engine = getattr(dm, "engine", None)
         if engine is not None and getattr(engine, "started_at", None):
             engine_wall = max(time.time() - engine.started_at, 1e-9)

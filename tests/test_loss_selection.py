@@ -103,3 +103,22 @@ def test_kl_to_reference_needs_a_reference_model(models):
     )
     module.configure_model()
     assert module.ref_policy is not None and not any(p.requires_grad for p in module.ref_policy.parameters())
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(models):
+    from modules.grpo import NonFiniteLossError
+
+    module = instantiate(compose([f"model.path={models['tied']}", "module.max_consecutive_skips=2"]).module)
+    module.configure_model()
+    good = synthetic_batch()
+    bad = synthetic_batch()
+    bad["behavior_logprobs"][0, 5] = float("nan")
+
+    def step(batch):
+        return module.training_step(iter([(batch, 0, 0)]))
+
+    assert step(bad) is None and module.skipped_steps == 1  # skipped, run continues
+    assert torch.isfinite(step(good))  # a good step resets the streak
+    assert step(bad) is None
+    with pytest.raises(NonFiniteLossError, match="2 consecutive steps"):
+        step(bad)

@@ -285,3 +285,33 @@ def test_reweighting_moves_the_trained_level_mix_towards_the_issued_mix():
     weighted = sum(e.weight for e in trained if e.difficulty == 1) / sum(e.weight for e in trained)
     assert plain < issued  # long prompts are under-trained when the first finished are consumed
     assert abs(weighted - issued) < abs(plain - issued)
+
+
+def test_reward_errors_can_score_zero_and_be_counted():
+    eng = SimEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [3, 5, 8], fail=True)
+    ctl.configure_rewards("zero")
+    batch = ctl.next_batch()
+    assert all(e.reward == 0.0 for e in batch) and ctl.reward_error_count >= 4
+
+
+def test_a_hanging_reward_times_out():
+    import threading
+
+    release = threading.Event()
+
+    class HangingTask(SimTask):
+        def reward(self, row, text):
+            release.wait(5)
+            return 1.0
+
+    eng = SimEngine()
+    task = HangingTask([3, 5])
+    ctl = SyncRollout(1, 1, SAMPLING)
+    ctl.bind(RolloutContext(eng, task, CharTokenizer(), PromptStream(task.rows), GroupAdvantage()))
+    ctl.configure_rewards("fail", timeout_s=0.2)
+    with pytest.raises(RewardError, match="reward_timeout_s"):
+        ctl.next_batch()
+    ctl.configure_rewards("zero", timeout_s=0.2)
+    assert ctl.next_batch()[0].reward == 0.0 and ctl.reward_error_count == 1
+    release.set()

@@ -130,6 +130,44 @@ class RolloutController:
         self.bias = BiasTracker()
         self.next_group_id = 0
         self.stats: dict[str, float] = {}
+        # Reward failures: "fail" stops the run; "zero" scores 0 and counts rollout/reward_errors.
+        self.reward_errors = "fail"
+        self.reward_timeout_s: float | None = None
+        self.reward_error_count = 0
+        self._reward_pool: cf.ThreadPoolExecutor | None = None
+
+    def configure_rewards(self, on_error: str = "fail", timeout_s: float | None = None) -> None:
+        from modules.config_errors import check
+
+        check("data.reward_errors", on_error, on_error in ("fail", "zero"), "one of fail, zero")
+        check("data.reward_timeout_s", timeout_s, timeout_s is None or timeout_s > 0, "null or a float > 0")
+        self.reward_errors, self.reward_timeout_s = on_error, timeout_s
+
+    def score(self, row: dict, text: str) -> float:
+        """The task's reward, with the configured timeout and error policy.
+
+        With a timeout the reward runs on a worker thread; a call that overruns is abandoned
+        (its thread cannot be killed) and handled like an error.
+        """
+        ctx = self.ctx
+        assert ctx is not None
+        try:
+            if self.reward_timeout_s is None:
+                return float(ctx.task.reward(row, text))
+            if self._reward_pool is None:
+                self._reward_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="asyncrl-reward")
+            fut = self._reward_pool.submit(ctx.task.reward, row, text)
+            try:
+                return float(fut.result(timeout=self.reward_timeout_s))
+            except cf.TimeoutError:
+                raise TimeoutError(
+                    f"reward took longer than data.reward_timeout_s={self.reward_timeout_s:g} s"
+                ) from None
+        except Exception as e:
+            if self.reward_errors == "zero":
+                self.reward_error_count += 1
+                return 0.0
+            raise RewardError(f"reward function failed on prompt id {row.get('id')}: {e!r}") from e
 
     def bind(self, ctx: RolloutContext) -> None:
         self.ctx = ctx
@@ -192,10 +230,7 @@ class RolloutController:
         if not spans:
             spans = [(p.policy_version, 0, len(token_ids))]
         text = ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
-        try:
-            reward = float(ctx.task.reward(p.row, text))
-        except Exception as e:
-            raise RewardError(f"reward function failed on prompt id {p.row.get('id')}: {e!r}") from e
+        reward = self.score(p.row, text)
         exp = Experience(
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,
