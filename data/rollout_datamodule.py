@@ -13,9 +13,11 @@ fetcher would request batch k+1 before step k runs, i.e. sample it with stale we
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -133,6 +135,7 @@ class RolloutDataModule(L.LightningDataModule):
             t0 = time.perf_counter()
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
+            self._audit(exps)
             self.rollout.bias.on_trained(exps)
             stats = {
                 **rollout_stats(exps),
@@ -167,6 +170,17 @@ class RolloutDataModule(L.LightningDataModule):
                 for batch in batches:
                     batch["old_logprobs"] = module.old_logprobs(batch)
             yield from batches
+
+    def _audit(self, exps: list[Experience]) -> None:
+        """Append the trained prompt ids to ``trained_prompts.jsonl`` in the run directory:
+        which prompts each policy version trained on (resume accounting, data audits)."""
+        trainer = self.trainer
+        if trainer is None or trainer.global_rank != 0:
+            return
+        ids = sorted({e.prompt_id for e in exps})
+        line = {"version": self.engine.version, "step": trainer.global_step, "prompt_ids": ids}
+        with open(Path(trainer.default_root_dir) / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
@@ -208,10 +222,11 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         # Sync mode holds no buffered experience between steps: the prompt cursor is the state.
-        return {
-            "prompts": self.prompts.state_dict() if self.prompts else None,
-            "rollout": self.rollout.state_dict(),
-        }
+        prompts = self.prompts.state_dict() if self.prompts else None
+        outstanding = getattr(self.rollout, "outstanding_prompts", None)
+        if prompts is not None and outstanding is not None and self.rollout.ctx is not None:
+            prompts["front"] = outstanding() + prompts["front"]  # re-queued on resume
+        return {"prompts": prompts, "rollout": self.rollout.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.prompts is None:

@@ -190,3 +190,54 @@ def test_async_recipes_end_to_end(tmp_path, models, recipe):
     if recipe == "async_grpo":
         assert max(stale) <= 1  # max_staleness=1 with drop
     assert "rollout/inflight" in rows[0] and "rollout/buffer_size" in rows[0]
+
+
+def trained_prompts(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_path, models):
+    """Sync mode: kill -9 after a checkpoint, resume from it; the version continues and the
+    resumed run trains exactly the prompts the original run would have trained next."""
+    common = [
+        "recipe=sync_grpo",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "task._target_=tests.helpers.DigitShareTask",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        "data.eval_size=0",
+    ]
+    first = tmp_path / "first"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={first}", *common, "trainer.max_steps=1000"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    ckpt = first / "checkpoints" / "last.ckpt"
+    while time.monotonic() < deadline and not (ckpt.exists() and len(trained_prompts(first)) >= 5):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not wait_gone(proc.pid), "engine processes outlived kill -9"
+    import torch
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    step = state["global_step"]
+    assert step >= 2 and state["asyncrl"]["policy_version"] == step
+    before = trained_prompts(first)
+    second = tmp_path / "second"
+    rows = train(second, *common, f"ckpt_path={ckpt}", f"trainer.max_steps={step + 2}")
+    versions = [int(float(r["rollout/policy_version"])) for r in rows if r.get("train/loss")]
+    assert versions == [step, step + 1]  # the version continues from the checkpoint
+    resumed = trained_prompts(second)
+    assert [b["version"] for b in resumed] == [step, step + 1]
+    # the killed run's batches after the checkpoint are exactly what the resumed run trains
+    after_ckpt = [b["prompt_ids"] for b in before if b["version"] >= step][:2]
+    assert [b["prompt_ids"] for b in resumed][: len(after_ckpt)] == after_ckpt
+    seen = {p for b in before if b["version"] < step for p in b["prompt_ids"]}
+    assert not seen & {p for b in resumed for p in b["prompt_ids"]}  # nothing trained twice

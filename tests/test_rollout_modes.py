@@ -315,3 +315,19 @@ def test_a_hanging_reward_times_out():
     ctl.configure_rewards("zero", timeout_s=0.2)
     assert ctl.next_batch()[0].reward == 0.0 and ctl.reward_error_count == 1
     release.set()
+
+
+def test_streaming_checkpoint_requeues_outstanding_prompts():
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(2, 1, SAMPLING, max_inflight=4, max_staleness=5, buffer_capacity=8),
+        eng,
+        [3, 50, 4, 60, 5, 70, 6, 80],
+    )
+    trained = ctl.next_batch()
+    outstanding = ctl.outstanding_prompts()
+    assert outstanding and not {e.prompt_id for e in trained} & set(outstanding)
+    state = ctl.ctx.prompts.state_dict()
+    fresh = PromptStream(ctl.ctx.prompts.rows, seed=0)
+    fresh.load_state_dict({**state, "front": outstanding + state["front"]})
+    assert [fresh.next()["id"] for _ in outstanding] == outstanding  # served first on resume

@@ -162,6 +162,7 @@ class StreamingRollout(RolloutController):
                 if len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
+                    exps[0].extras["row"] = group.row  # lets a checkpoint re-queue its prompt
                     oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
                     self._buffer.append(_Ready(p.group_id, exps, oldest, time.time(), group.row.get("level")))
                 self._top_up()
@@ -323,9 +324,19 @@ class StreamingRollout(RolloutController):
                 **self.counters,
             }
 
+    def outstanding_prompts(self) -> list[int]:
+        """Row indexes of groups generating or buffered (oldest first), for checkpoints.
+
+        Policy: a checkpoint does not store partial generations; the prompts of outstanding
+        groups are re-queued at the front on resume, so each is trained once (regenerated
+        with the checkpoint's weights)."""
+        with self._cv:
+            prompts = self.ctx.prompts
+            rows = [g.row for g in self._groups.values()]
+            rows += [r.exps[0].extras["row"] for r in self._buffer if r.exps and "row" in r.exps[0].extras]
+            return [prompts.index_of(row) for row in rows]
+
     def state_dict(self) -> dict[str, Any]:
-        # Documented policy: buffered and in-flight groups are not checkpointed; on resume
-        # their prompts are simply not replayed (the prompt cursor has moved past them).
         return {**super().state_dict(), "started_groups": self.started_groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
