@@ -48,6 +48,8 @@ def train(cfg: DictConfig) -> float | None:
     trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except SystemExit:  # Lightning turns Ctrl-C / SIGTERM into an exit; say which (130 / 143)
+        raise SystemExit(getattr(trainer, "asyncrl_exit_code", 1)) from None
     finally:
         teardown = getattr(datamodule, "shutdown", None)
         if teardown is not None:

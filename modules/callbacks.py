@@ -139,3 +139,28 @@ class HeldOutEval(L.Callback):
 
     def _last_version(self) -> int:
         return int(self.history[-1]["policy_version"]) if self.history else -1
+
+
+class CheckpointOnInterrupt(L.Callback):
+    """On Ctrl-C or SIGTERM: write ``interrupted.ckpt`` and record the exit code train.py
+    returns (130 for Ctrl-C, 143 for SIGTERM), so a scheduler can requeue and resume."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, KeyboardInterrupt):
+            code = 130
+        elif isinstance(exception, SIGTERMException):
+            code = 143
+        else:
+            return
+        trainer.asyncrl_exit_code = code
+        if trainer.global_rank == 0:
+            path = Path(self.dirpath) / "interrupted.ckpt"
+            trainer.save_checkpoint(path)
+            print(f"interrupted (exit {code}); checkpoint written to {path}", flush=True)

@@ -167,7 +167,29 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
     assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
+    proc = start(
+        tmp_path,
+        models["tied"],
+        "task._target_=tests.helpers.DigitShareTask",
+        "trainer.max_steps=1000",
+        "data.eval_size=0",
+    )
+    metrics = tmp_path / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the main process
+    proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
+    assert not wait_gone(proc.pid), "engine processes outlived SIGTERM"
 
 
 @pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
