@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from modules.config_errors import ConfigError
+from modules.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ def build(cfg: DictConfig, **kwargs: object) -> object:
 
 
 def train(cfg: DictConfig) -> float | None:
+    validate(cfg)  # cross-field rules; single-field ones run in the constructors below
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
     # Everything below is cheap to construct and validates its arguments; the engine and the

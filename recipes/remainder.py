@@ -69,6 +69,7 @@ class RemainderTask:
             and sum(self.level_weights) > 0,
             f"{len(LEVELS)} non-negative weights, not all zero",
         )
+        check("task.max_divisor", self.max_divisor, 1 <= self.max_divisor <= 9, "an int in [1, 9]")
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> Dataset:
         """``split`` in train / eval / sft; different splits use different seeds.

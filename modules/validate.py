@@ -1,0 +1,94 @@
+"""Cross-field config rules, checked by train.py before anything is built.
+
+Single-field rules live in the constructors (``check`` calls); this file holds the rules that
+relate fields of different groups. Every failure is a ``ConfigError`` naming the field, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from modules.config_errors import check, check_choice
+from modules.losses import AGGREGATIONS
+
+
+def validate(cfg: DictConfig) -> None:
+    trainer = cfg.get("trainer") or {}
+    check(
+        "trainer.max_steps",
+        trainer.get("max_steps"),
+        isinstance(trainer.get("max_steps"), int) and trainer.get("max_steps") >= 1,
+        "an int >= 1 (optimizer steps)",
+    )
+    if cfg.get("module", {}).get("_target_", "").endswith("GRPOModule"):
+        _validate_rl(cfg)
+
+
+def _validate_rl(cfg: DictConfig) -> None:
+    rollout, engine, algo, module = cfg.rollout, cfg.engine, cfg.algo, cfg.module
+    max_tokens = rollout.sampling.max_tokens
+    check(
+        "rollout.sampling.max_tokens",
+        max_tokens,
+        isinstance(max_tokens, int) and max_tokens + 16 <= engine.max_model_len,
+        f"an int that leaves room for the prompt within engine.max_model_len={engine.max_model_len}",
+    )
+    check(
+        "module.temperature",
+        module.temperature,
+        module.temperature == rollout.sampling.temperature,
+        f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
+    )
+    loss = algo.loss
+    check_choice("algo.loss.anchor", loss.get("anchor", "bypass"), ("bypass", "decoupled"))
+    check_choice("algo.loss.aggregation", loss.get("aggregation", "token_mean"), AGGREGATIONS)
+    if loss.get("aggregation") == "seq_mean_token_sum_norm":
+        check(
+            "algo.loss.norm_const",
+            loss.get("norm_const"),
+            (loss.get("norm_const") or 0) > 0,
+            "a number > 0 for seq_mean_token_sum_norm (e.g. rollout.sampling.max_tokens)",
+        )
+    check_choice("algo.loss.kl_kind", loss.get("kl_kind", "k3"), ("k1", "k2", "k3"))
+    check("algo.loss.kl_coef", loss.get("kl_coef", 0.0), (loss.get("kl_coef") or 0.0) >= 0, "a float >= 0")
+    obj = algo.get("objective") or {}
+    for side in ("eps_low", "eps_high"):
+        if side in obj:
+            check(
+                f"algo.objective.{side}", obj[side], obj[side] is not None and obj[side] >= 0, "a float >= 0"
+            )
+    if obj.get("dual_clip") is not None:
+        check("algo.objective.dual_clip", obj.dual_clip, obj.dual_clip > 1, "null or a float > 1")
+    if "eps" in obj:
+        check("algo.objective.eps", obj.eps, obj.eps > 0, "a float > 0")
+    corr = algo.get("correction") or {}
+    for key in ("cap", "rho_bar", "c_bar", "delta", "tau", "alpha", "beta"):
+        if corr.get(key) is not None:
+            check(f"algo.correction.{key}", corr[key], corr[key] > 0, "a float > 0")
+    if "lower" in corr:
+        check(
+            "algo.correction.lower",
+            corr.lower,
+            0 <= corr.lower < corr.upper,
+            f"a float in [0, algo.correction.upper={corr.upper})",
+        )
+    if "gamma" in corr:
+        check("algo.correction.gamma", corr.gamma, 0 < corr.gamma <= 1, "a float in (0, 1]")
+    every = cfg.get("callbacks", {}).get("eval", {}).get("every_n_versions", 1)
+    check(
+        "callbacks.eval.every_n_versions",
+        every,
+        isinstance(every, int) and every >= 0,
+        "an int >= 0 (0 = never)",
+    )
+    gpu_ids = engine.get("gpu_ids")
+    devices = cfg.trainer.get("devices")
+    if gpu_ids and cfg.trainer.get("accelerator") in ("gpu", "cuda") and OmegaConf.is_list(devices):
+        overlap = sorted(set(gpu_ids) & set(devices))
+        check(
+            "engine.gpu_ids",
+            list(gpu_ids),
+            not overlap,
+            f"GPUs disjoint from trainer.devices={list(devices)} (both use {overlap})",
+        )
