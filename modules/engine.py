@@ -155,7 +155,9 @@ class VLLMEngine:
     def start(self) -> VLLMEngine:
         if self._thread is not None:
             return self
-        if not Path(self.model_path, "config.json").exists():
+        from modules.policy import is_hub_id
+
+        if not is_hub_id(self.model_path) and not Path(self.model_path, "config.json").exists():
             raise EngineError(
                 f"engine.model_path={self.model_path!r} holds no model (no config.json); "
                 "the RL recipes start from the SFT warm start: run `make sft` first"

@@ -15,6 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if is_hub_id(path):  # e.g. "Qwen/Qwen2.5-0.5B-Instruct": transformers resolves it
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32
+        ), AutoTokenizer.from_pretrained(str(path))
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -24,6 +28,12 @@ def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """'org/name' that is not a local directory: a model to fetch from the hub."""
+    text = str(path)
+    return not Path(text).exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
 
 def token_logprobs(
