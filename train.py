@@ -58,7 +58,18 @@ def train(cfg: DictConfig) -> float | None:
             teardown()  # engine down even if fit raised; a no-op when already down
     metric = trainer.callback_metrics.get(cfg.optimized_metric)
     log.info("%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir)
+    log.info("process after job: %s", process_footprint())  # multirun leak check
     return None if metric is None else float(metric)
+
+
+def process_footprint() -> str:
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    children = [p for p in me.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    return f"rss_mb={me.memory_info().rss / 2**20:.0f} threads={threading.active_count()} children={len(children)}"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
