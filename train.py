@@ -68,8 +68,13 @@ def process_footprint() -> str:
     import psutil
 
     me = psutil.Process()
-    children = [p for p in me.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
-    return f"rss_mb={me.memory_info().rss / 2**20:.0f} threads={threading.active_count()} children={len(children)}"
+    children = 0
+    for child in me.children(recursive=True):
+        try:
+            children += "resource_tracker" not in " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+    return f"rss_mb={me.memory_info().rss / 2**20:.0f} threads={threading.active_count()} children={children}"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
