@@ -100,6 +100,8 @@ def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> 
                 "wall_s": wall,
                 "eval_before": summary["first"]["eval/reward_mean"],
                 "eval_after": summary["last"]["eval/reward_mean"],
+                "sampled_eval_before": summary["first"].get("eval/sampled_reward_mean", float("nan")),
+                "sampled_eval_after": summary["last"].get("eval/sampled_reward_mean", float("nan")),
                 "eval_history": [(h["step"], h["eval/reward_mean"]) for h in summary["history"]],
                 "staleness_mean": mean_of(rows, "rollout/staleness_mean"),
                 "staleness_max": max(
@@ -145,6 +147,8 @@ def aggregate(per_seed: list[dict]) -> dict:
     keys = [
         "eval_before",
         "eval_after",
+        "sampled_eval_before",
+        "sampled_eval_after",
         "samples_per_s",
         "tokens_per_s",
         "trainer_idle_frac",

@@ -42,6 +42,7 @@ class RolloutDataModule(L.LightningDataModule):
         train_size: int = 50000,
         eval_size: int = 256,
         eval_max_tokens: int | None = None,
+        eval_samples: int = 4,
         seed: int = 0,
         sync_every: int = 1,
         sync_every_s: float | None = None,
@@ -91,6 +92,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_size = train_size
         self.eval_size = eval_size
         self.eval_max_tokens = eval_max_tokens or rollout.sampling.max_tokens
+        check("data.eval_samples", eval_samples, eval_samples >= 0, "an int >= 0 (0 = greedy only)")
+        self.eval_samples = eval_samples
         self.seed = seed
         self.tokenizer: Any = None
         self.prompts: PromptStream | None = None
@@ -189,16 +192,33 @@ class RolloutDataModule(L.LightningDataModule):
             named_tensors, version, inflight=getattr(self.rollout, "inflight", "keep")
         )
 
-    def evaluate(self, greedy: bool = True) -> dict[str, float]:
-        """Held-out reward from the engine: mean and per difficulty level."""
+    def evaluate(self) -> dict[str, float]:
+        """Held-out reward from the engine: greedy (``eval/reward_mean``, and per difficulty
+        level) and sampled at the training temperature, ``eval_samples`` per prompt
+        (``eval/sampled_reward_mean``: the quantity RL optimises, with less noise)."""
         if not self.eval_rows:
             return {}
-        temp = 0.0 if greedy else self.rollout.sampling.temperature
-        sampling = SamplingConfig(temperature=temp, max_tokens=self.eval_max_tokens)
+        greedy = self._eval_pass(SamplingConfig(temperature=0.0, max_tokens=self.eval_max_tokens), 1)
+        out = {"eval/reward_mean": greedy["mean"], "eval/response_len_mean": greedy["len"]}
+        out.update({f"eval/reward_level{lv}": r for lv, r in greedy["levels"].items()})
+        if self.eval_samples:
+            temp = self.rollout.sampling.temperature
+            sampled = self._eval_pass(
+                SamplingConfig(temperature=temp, max_tokens=self.eval_max_tokens), self.eval_samples
+            )
+            out["eval/sampled_reward_mean"] = sampled["mean"]
+            out.update({f"eval/sampled_reward_level{lv}": r for lv, r in sampled["levels"].items()})
+        return out
+
+    def _eval_pass(self, sampling: SamplingConfig, n: int) -> dict[str, Any]:
         futs = {}
         for i, row in enumerate(self.eval_rows):
             ids = self.tokenizer(self.task.prompt_text(row))["input_ids"]
-            futs[self.engine.submit(ids, sampling, seed=i, request_id=f"eval-{time.time_ns()}-{i}")] = row
+            for k in range(n):
+                fut = self.engine.submit(
+                    ids, sampling, seed=1000 * i + k, request_id=f"eval-{time.time_ns()}-{i}-{k}"
+                )
+                futs[fut] = row
         rewards: dict[int, list[float]] = {}
         lengths = []
         pending = set(futs)
@@ -211,13 +231,11 @@ class RolloutDataModule(L.LightningDataModule):
                 rewards.setdefault(row.get("level", 0), []).append(float(self.task.reward(row, text)))
                 lengths.append(len(comp.token_ids))
         allr = [r for rs in rewards.values() for r in rs]
-        out = {
-            "eval/reward_mean": sum(allr) / len(allr),
-            "eval/response_len_mean": sum(lengths) / len(lengths),
+        return {
+            "mean": sum(allr) / len(allr),
+            "len": sum(lengths) / len(lengths),
+            "levels": {lv: sum(rs) / len(rs) for lv, rs in sorted(rewards.items())},
         }
-        for lv, rs in sorted(rewards.items()):
-            out[f"eval/reward_level{lv}"] = sum(rs) / len(rs)
-        return out
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
