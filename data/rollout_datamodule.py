@@ -17,6 +17,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext as _nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,16 @@ class RolloutDataModule(L.LightningDataModule):
             if getattr(module, "needs_old_logprobs", False):
                 for batch in batches:
                     batch["old_logprobs"] = module.old_logprobs(batch)
+            # Staleness policy `recompute`: the current policy (before this update) replaces the
+            # behaviour logprobs of the flagged samples, once for all minibatches and epochs.
+            if module is not None and any(bool(b["recompute"].any()) for b in batches):
+                for batch in batches:
+                    if batch["recompute"].any():
+                        fresh = batch.get("old_logprobs")
+                        fresh = module.old_logprobs(batch) if fresh is None else fresh
+                        batch["behavior_logprobs"] = torch.where(
+                            batch["recompute"][:, None], fresh, batch["behavior_logprobs"]
+                        )
             yield from batches
 
     def _audit(self, exps: list[Experience]) -> None:
@@ -240,11 +251,13 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         # Sync mode holds no buffered experience between steps: the prompt cursor is the state.
-        prompts = self.prompts.state_dict() if self.prompts else None
-        outstanding = getattr(self.rollout, "outstanding_prompts", None)
-        if prompts is not None and outstanding is not None and self.rollout.ctx is not None:
-            prompts["front"] = outstanding() + prompts["front"]  # re-queued on resume
-        return {"prompts": prompts, "rollout": self.rollout.state_dict()}
+        lock = getattr(self.rollout, "_cv", None)
+        with lock if lock is not None else _nullcontext():  # cursor and outstanding: one snapshot
+            prompts = self.prompts.state_dict() if self.prompts else None
+            outstanding = getattr(self.rollout, "outstanding_prompts", None)
+            if prompts is not None and outstanding is not None and self.rollout.ctx is not None:
+                prompts["front"] = outstanding() + prompts["front"]  # re-queued on resume
+            return {"prompts": prompts, "rollout": self.rollout.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.prompts is None:

@@ -97,11 +97,6 @@ class GRPOModule(L.LightningModule):
         )
         mask = batch["loss_mask"]
         behavior = batch["behavior_logprobs"]
-        recompute = batch.get("recompute")
-        if recompute is not None and bool(recompute.any()):
-            # Staleness policy `recompute`: the current policy's logprobs become the behaviour
-            # logprobs (ratio starts at 1); the tokens are still the old policy's samples.
-            behavior = torch.where(recompute[:, None], logp.detach(), behavior)
         extra = {"old_logp": batch["old_logprobs"]} if "old_logprobs" in batch else {}
         if self.ref_policy is not None:
             with torch.no_grad():
@@ -162,7 +157,8 @@ class GRPOModule(L.LightningModule):
         versions = torch.where(
             mask > 0, batch["token_versions"], torch.full_like(batch["token_versions"], big)
         )
-        oldest = torch.minimum(versions.min(dim=1).values, batch["policy_versions"])
+        has_tokens = mask.sum(dim=1) > 0
+        oldest = torch.where(has_tokens, versions.min(dim=1).values, batch["policy_versions"])
         staleness = (self.policy_version - oldest).float()
         log("rollout/staleness_mean", staleness.mean())
         log("rollout/staleness_max", staleness.max())

@@ -10,7 +10,8 @@ A loss is assembled from independent parts, each chosen in ``conf/algo``:
 * **anchor**: ``bypass`` uses the behaviour logprobs mu as pi_old (``r = pi / mu``);
   ``decoupled`` (AReaL) uses the trainer's pi_old (``r = pi / pi_old``) and a detached
   behaviour weight ``w = pi_old / mu`` from ``modules/corrections.py``. In bypass mode
-  ``w = 1``, so only corrections that look at pi (e.g. ``ds_seq_mask``) change anything.
+  ``w = 1``: only ``ds_seq_mask`` (looks at pi) and ``lag`` (looks at staleness) act there,
+  and the config validator rejects the weight-based corrections with ``bypass``.
 * **aggregation**: ``token_mean`` = sum(mask * l) / sum(mask) over the batch;
   ``seq_mean_token_mean`` (original GRPO) = mean over sequences of each sequence's token mean;
   ``seq_mean_token_sum`` = mean over sequences of token sums; ``seq_mean_token_sum_norm``
@@ -193,6 +194,11 @@ def policy_loss(
         advantages=advantages,
         staleness=staleness if staleness is not None else torch.zeros(len(logp)),
     )
+    if anchor == "bypass":  # w is 1 here; still report how far pi has moved from mu
+        from modules.corrections import diagnostics
+
+        drift = diagnostics(w, mask, (logp.detach() - behavior_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        metrics.update({k: v for k, v in drift.items() if k.startswith("mismatch/")})
     per_token, obj_metrics = objective(logp, pi_old, advantages, mask)
     per_token = per_token * w
     if weights is not None:

@@ -63,6 +63,15 @@ def _validate_rl(cfg: DictConfig) -> None:
     if "eps" in obj:
         check("algo.objective.eps", obj.eps, obj.eps > 0, "a float > 0")
     corr = algo.get("correction") or {}
+    target = str(corr.get("_target_", ""))
+    weight_based = not target.endswith(("NoCorrection", "DeepSeekSequenceMask", "LagWeight"))
+    check(
+        "algo.loss.anchor",
+        loss.get("anchor", "bypass"),
+        loss.get("anchor") == "decoupled" or not weight_based,
+        f"decoupled with algo/correction={target.rsplit('.', 1)[-1]} (in bypass mode pi_old := mu, so its "
+        "weight pi_old/mu is 1 and the correction would do nothing)",
+    )
     for key in ("cap", "rho_bar", "c_bar", "delta", "tau", "alpha", "beta"):
         if corr.get(key) is not None:
             check(f"algo.correction.{key}", corr[key], corr[key] > 0, "a float > 0")

@@ -5,10 +5,11 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
 
 * ``Drop``: discard it (TRL / verl style); costs the generation it took.
 * ``Downweight``: train on it with weight ``gamma ** (staleness - max_staleness)``.
-* ``Recompute``: replace its behaviour logprobs by the current policy's (computed in the
-  training step). The PPO ratio then starts at 1, so the update is clipped around the current
-  policy rather than the stale one; it does **not** correct the state distribution (the
-  tokens are still samples of the old policy), so the gradient stays biased.
+* ``Recompute``: replace its behaviour logprobs by the current policy's, computed once per
+  rollout batch before its first optimizer step (``RolloutDataModule``). The PPO ratio then
+  starts at 1, so the update is clipped around the current policy rather than the stale one;
+  it does **not** correct the state distribution (the tokens are still samples of the old
+  policy), so the gradient stays biased.
 * ``Admit``: AReaL-style admission control: never start a group that could not be consumed
   within ``max_staleness`` versions, and make the trainer wait for groups that are due, so
   nothing is ever too stale and nothing is dropped.

@@ -33,7 +33,7 @@ from typing import Any
 from modules.config_errors import check
 from modules.engine import EngineError, SamplingConfig
 from modules.experience import Experience
-from modules.rollout.base import Pending, RolloutContext, RolloutController
+from modules.rollout.base import Pending, RolloutController
 from modules.rollout.staleness import Drop, StalenessPolicy
 
 
@@ -105,10 +105,8 @@ class StreamingRollout(RolloutController):
         self.counters = {"dropped": 0, "downweighted": 0, "recomputed": 0, "carried_over": 0, "expired": 0}
 
     # ------------------------------------------------------------------ producer side
-    def bind(self, ctx: RolloutContext) -> None:
-        super().bind(ctx)
-        with self._cv:
-            self._top_up()
+    # Generation starts in the first next_batch, not here: bind runs in datamodule.setup,
+    # before Lightning restores a checkpoint and before the first weight sync.
 
     def _admission_open(self) -> bool:
         if not self.staleness.admission_control:
@@ -145,20 +143,32 @@ class StreamingRollout(RolloutController):
         fut.add_done_callback(self._on_done)
 
     def _on_done(self, fut: cf.Future) -> None:
+        exp = None
+        try:  # score outside the lock: a slow reward must not block the trainer's next_batch
+            p = self._requests.get(fut)
+            comp = fut.result() if p is not None and not self._closed else None
+            if comp is not None and not self.is_unfinished(comp, p):
+                exp = self.to_experience(comp, p)
+        except BaseException as e:
+            with self._cv:
+                self._requests.pop(fut, None)
+                if self._error is None:
+                    self._error = e
+                self._cv.notify_all()
+            return
         with self._cv:
             try:
                 p = self._requests.pop(fut, None)
                 if p is None or self._closed:
                     return
-                comp = fut.result()
-                if self.is_unfinished(comp, p):
+                if exp is None:
                     # Aborted at a weight sync: continue from the partial response.
                     nxt = self.continuation(comp, p)
                     self.counters["carried_over"] += 1
                     self._track(self.submit(nxt), nxt)
                     return
                 group = self._groups[p.group_id]
-                group.exps.append(self.to_experience(comp, p))
+                group.exps.append(exp)
                 if len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
@@ -384,6 +394,3 @@ class PartialRollout(StreamingRollout):
         self._iteration_open = True
         self._top_up()
         self._iteration_open = False
-
-    def bind(self, ctx: RolloutContext) -> None:
-        RolloutController.bind(self, ctx)  # the first iteration starts in next_batch
