@@ -45,7 +45,10 @@ BAD = [
     (["algo.objective.eps_high=-0.1"], "algo.objective.eps_high"),
     (["algo.objective.dual_clip=0.5"], "algo.objective.dual_clip"),
     (["algo/correction=tis", "algo.loss.anchor=decoupled", "algo.correction.cap=0"], "algo.correction.cap"),
-    (["algo/correction=mis", "algo.loss.anchor=decoupled", "algo.correction.lower=3"], "algo.correction.lower"),
+    (
+        ["algo/correction=mis", "algo.loss.anchor=decoupled", "algo.correction.lower=3"],
+        "algo.correction.lower",
+    ),
     (["algo/correction=tis"], "algo.loss.anchor"),  # a weight pi_old/mu is 1 in bypass mode
     (["algo/correction=lag", "algo.correction.gamma=0"], "algo.correction.gamma"),
     (["rollout=partial", "rollout.over_provision=0.5"], "rollout.over_provision"),

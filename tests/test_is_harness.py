@@ -21,8 +21,8 @@ def test_dp_objective_matches_enumeration():
     for y in itertools.product([0, 1], repeat=4):
         prob = torch.prod(torch.where(torch.tensor(y) == 1, p, 1 - p))
         brute += prob.item() * (sum(y) >= 2)
-    assert objective(theta, 0.5).item() == pytest.approx(brute, abs=1e-12)
-    _, g = exact_grad(theta, 0.5)
+    assert objective(theta, 2).item() == pytest.approx(brute, abs=1e-12)
+    _, g = exact_grad(theta, 2)
     assert g.shape == (4,) and torch.isfinite(g).all()
 
 
