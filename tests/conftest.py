@@ -60,6 +60,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def engine(models):
     from modules.engine import VLLMEngine
 
-    eng = VLLMEngine(str(models["tied"]), max_model_len=320, max_num_seqs=64).start()
+    eng = VLLMEngine(str(models["tied"]), max_model_len=320, max_num_seqs=64, pin_trainer=False).start()
     yield eng
     eng.shutdown()

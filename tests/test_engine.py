@@ -116,7 +116,7 @@ def test_weight_update_invalidates_cached_prompts(engine, models):
 @pytest.fixture(scope="module")
 def untied_engine(models):
     before = {p.pid for p in engine_processes()}
-    eng = VLLMEngine(str(models["untied"]), max_model_len=256, max_num_seqs=16).start()
+    eng = VLLMEngine(str(models["untied"]), max_model_len=256, max_num_seqs=16, pin_trainer=False).start()
     eng.own_pids = {p.pid for p in engine_processes(exclude=before)}  # this engine's processes only
     yield eng
     eng.shutdown()
@@ -146,7 +146,7 @@ def test_engine_death_raises_within_seconds(untied_engine):
 
 def test_shutdown_leaves_no_processes(models):
     before = {p.pid for p in engine_processes()}
-    eng = VLLMEngine(str(models["untied"]), max_model_len=128, max_num_seqs=4).start()
+    eng = VLLMEngine(str(models["untied"]), max_model_len=128, max_num_seqs=4, pin_trainer=False).start()
     eng.wait_result(eng.submit([5, 6], SamplingConfig(max_tokens=4)), timeout=60)
     eng.shutdown()
     deadline = time.monotonic() + 20
