@@ -150,7 +150,7 @@ class GRPOModule(L.LightningModule):
         log("train/advantage_abs_mean", batch["advantages"].abs().mean())
         stats = batch.get("rollout_stats") or {}
         for k, v in stats.items():
-            log(k, float(v), prog_bar=k == "train/reward_mean")
+            log(k, float(v), prog_bar=k in ("train/reward_mean", "rollout/buffer_size"))
         log("rollout/policy_version", float(self.policy_version))
         # Staleness from the data itself: current version minus each sample's oldest token.
         big = torch.iinfo(torch.long).max
@@ -160,7 +160,7 @@ class GRPOModule(L.LightningModule):
         has_tokens = mask.sum(dim=1) > 0
         oldest = torch.where(has_tokens, versions.min(dim=1).values, batch["policy_versions"])
         staleness = (self.policy_version - oldest).float()
-        log("rollout/staleness_mean", staleness.mean())
+        log("rollout/staleness_mean", staleness.mean(), prog_bar=True)
         log("rollout/staleness_max", staleness.max())
         elapsed = max(time.perf_counter() - (self._t_start or time.perf_counter()), 1e-9)
         log("perf/samples_per_s", (self.samples_trained - self._samples_at_start) / elapsed, prog_bar=True)
