@@ -74,3 +74,10 @@ def test_run_dirs_are_per_recipe():
 def test_run_seed_reaches_prompt_order_and_engine():
     cfg = compose(["seed=3"])
     assert cfg.data.seed == 3 and cfg.engine.seed == 3
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb", "mlflow"])
+def test_logger_configs_compose(logger):
+    cfg = compose([f"logger={logger}"])
+    assert "csv" in cfg.logger  # CSV always on: metrics.csv feeds make report
+    assert all("_target_" in c for c in cfg.logger.values())
