@@ -222,23 +222,17 @@ def test_streaming_invariants(
         assert ctl.snapshot()["dropped"] == 0
 
 
-def bias_run(stratify: bool) -> dict[str, float]:
-    lengths = [4] * 80 + [60] * 20  # level 0 short, level 1 long (LatencyTask: level = length >= 50)
+def long_tail_streaming(**kwargs):
+    """80 short (level 0) and 20 long (level 1) prompts, K=2 with drop, 8 generating at once."""
     eng = SimEngine(max_concurrency=8)
-    ctl = bind(
-        StreamingRollout(
-            8,
-            1,
-            SAMPLING,
-            max_inflight=16,
-            max_staleness=2,
-            staleness=Drop(),
-            buffer_capacity=24,
-            stratify=stratify,
-        ),
-        eng,
-        lengths,
+    ctl = StreamingRollout(
+        8, 1, SAMPLING, max_inflight=16, max_staleness=2, staleness=Drop(), buffer_capacity=24, **kwargs
     )
+    return bind(ctl, eng, [4] * 80 + [60] * 20), eng
+
+
+def bias_run(stratify: bool) -> dict[str, float]:
+    ctl, eng = long_tail_streaming(stratify=stratify)
     for _, batch in run(ctl, eng, 12, step_time=3.0):
         ctl.bias.on_trained(batch)  # the datamodule does this in training
     return ctl.bias.metrics()
@@ -263,22 +257,7 @@ def test_sync_mode_has_no_length_bias():
 
 
 def test_reweighting_moves_the_trained_level_mix_towards_the_issued_mix():
-    lengths = [4] * 80 + [60] * 20
-    eng = SimEngine(max_concurrency=8)
-    ctl = bind(
-        StreamingRollout(
-            8,
-            1,
-            SAMPLING,
-            max_inflight=16,
-            max_staleness=2,
-            staleness=Drop(),
-            buffer_capacity=24,
-            reweight=True,
-        ),
-        eng,
-        lengths,
-    )
+    ctl, eng = long_tail_streaming(reweight=True)
     trained = [e for _, batch in run(ctl, eng, 12, step_time=3.0) for e in batch]
     issued = ctl.bias.issued_levels[1] / sum(ctl.bias.issued_levels.values())
     plain = sum(e.difficulty == 1 for e in trained) / len(trained)
