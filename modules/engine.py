@@ -192,6 +192,7 @@ class VLLMEngine:
 
     def _configure_placement(self) -> None:
         # The engine's worker processes inherit this environment.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per sync otherwise
         if self.gpu_ids is None:
             if self.cpu_cores:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_cores)
