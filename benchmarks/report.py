@@ -22,7 +22,7 @@ def load(run: Path) -> list[dict[str, float]]:
 
 
 def series(rows: list[dict[str, float]], x: str, y: str) -> tuple[list[float], list[float]]:
-    pts = [(r[x], r[y]) for r in rows if x in r and y in r]
+    pts = sorted((r[x], r[y]) for r in rows if x in r and y in r)
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -36,10 +36,15 @@ def render(run: Path, out: Path) -> Path:
     # eval rows have no wall clock: place them at the wall time of the same step
     wall = {r["step"]: r["perf/wall_s"] for r in rows if "perf/wall_s" in r and "step" in r}
     samples = {r["step"]: r["perf/samples_total"] for r in rows if "perf/samples_total" in r and "step" in r}
+    def nearest(table: dict[float, float], step: float) -> float:
+        """Value at the last logged step <= step (evaluations run after that step)."""
+        before = [s for s in table if s <= step]
+        return table[max(before)] if before else 0.0
+
     for r in rows:
         if "eval/reward_mean" in r and "step" in r:
-            r.setdefault("perf/wall_s", wall.get(r["step"], 0.0))
-            r.setdefault("perf/samples_total", samples.get(r["step"], 0.0))
+            r.setdefault("perf/wall_s", nearest(wall, r["step"]))
+            r.setdefault("perf/samples_total", nearest(samples, r["step"]))
 
     fig, ax = plt.subplots(2, 3, figsize=(16, 8))
     a = ax[0][0]
