@@ -36,6 +36,7 @@ def render(run: Path, out: Path) -> Path:
     # eval rows have no wall clock: place them at the wall time of the same step
     wall = {r["step"]: r["perf/wall_s"] for r in rows if "perf/wall_s" in r and "step" in r}
     samples = {r["step"]: r["perf/samples_total"] for r in rows if "perf/samples_total" in r and "step" in r}
+
     def nearest(table: dict[float, float], step: float) -> float:
         """Value at the last logged step <= step (evaluations run after that step)."""
         before = [s for s in table if s <= step]
@@ -48,7 +49,11 @@ def render(run: Path, out: Path) -> Path:
 
     fig, ax = plt.subplots(2, 3, figsize=(16, 8))
     a = ax[0][0]
-    for key, style in [("train/reward_mean", "-"), ("eval/reward_mean", "o-")]:
+    for key, style in [
+        ("train/reward_mean", "-"),
+        ("eval/reward_mean", "o-"),
+        ("eval/sampled_reward_mean", "s-"),
+    ]:
         a.plot(*series(rows, "perf/wall_s", key), style, label=key)
     a.set_xlabel("wall-clock s")
     a.set_title("reward vs wall-clock")
