@@ -77,7 +77,8 @@ class SimEngine:
     health_poll_s = 0.01
     stall_timeout_s = 1e9
 
-    def __init__(self, max_concurrency: int | None = None) -> None:
+    def __init__(self, max_concurrency: int | None = None, jitter: int = 0) -> None:
+        self.jitter = jitter  # response length += hash(seed) % (jitter + 1): responses of a prompt differ
         self.now = 0.0
         self.version = 0
         self.max_concurrency = max_concurrency
@@ -103,6 +104,8 @@ class SimEngine:
         cut = prompt_ids.index(SEP)
         total = int("".join(chr(c) for c in prompt_ids[:cut]))
         done = len(prompt_ids) - cut - 1  # continuation: tokens already generated
+        if self.jitter and seed is not None and done == 0:
+            total += (seed * 2654435761) % (self.jitter + 1)  # scrambled: siblings differ
         length = max(0, min(total - done, sampling.max_tokens))
         req = _Req(
             fut,

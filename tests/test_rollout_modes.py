@@ -5,6 +5,8 @@ The fake engine is a fixture for exact timing; the same controllers drive vLLM i
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -310,3 +312,32 @@ def test_streaming_checkpoint_requeues_outstanding_prompts():
     fresh = PromptStream(ctl.ctx.prompts.rows, seed=0)
     fresh.load_state_dict({**state, "front": outstanding + state["front"]})
     assert [fresh.next()["id"] for _ in outstanding] == outstanding  # served first on resume
+
+
+@pytest.mark.parametrize("baseline", ["global", "per_prompt"])
+def test_running_baseline_lets_single_responses_flow_before_their_group(baseline):
+    def first_batch_time(kind):
+        eng = SimEngine(jitter=60)  # responses of one prompt take 10..70 units
+        ctl = bind(
+            StreamingRollout(
+                1, 4, SAMPLING, max_inflight=2, max_staleness=5, buffer_capacity=4, baseline=kind
+            ),
+            eng,
+            [10, 10, 10, 10],
+        )
+        batch = ctl.next_batch()
+        return eng.now, batch
+
+    t_group, group_batch = first_batch_time("group")
+    t_single, single_batch = first_batch_time(baseline)
+    assert len(group_batch) == len(single_batch) == 4
+    assert len({e.group_id for e in group_batch}) == 1  # GRPO: one complete group
+    assert t_single < t_group  # the running baseline does not wait for a group's slowest response
+    assert all(math.isfinite(e.advantage) for e in single_batch)
+
+
+def test_running_baseline_is_rejected_with_admission_control():
+    from modules.config_errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.baseline"):
+        StreamingRollout(1, 4, SAMPLING, staleness=Admit(), baseline="global")

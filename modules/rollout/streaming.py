@@ -70,8 +70,23 @@ class StreamingRollout(RolloutController):
         wait_timeout_s: float = 600.0,
         stratify: bool = False,
         reweight: bool = False,
+        baseline: str = "group",
+        baseline_momentum: float = 0.9,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
+        check(
+            "rollout.baseline",
+            baseline,
+            baseline in ("group", "global", "per_prompt"),
+            "one of group, global, per_prompt",
+        )
+        check("rollout.baseline_momentum", baseline_momentum, 0 <= baseline_momentum < 1, "a float in [0, 1)")
+        check(
+            "rollout.baseline",
+            baseline,
+            baseline == "group" or not (staleness and staleness.admission_control),
+            "group with rollout.staleness=Admit (admission control counts whole groups)",
+        )
         check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
         check("rollout.max_staleness", max_staleness, max_staleness >= 0, "an int >= 0 (policy versions)")
         check(
@@ -90,6 +105,14 @@ class StreamingRollout(RolloutController):
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
         self.stratify = stratify
+        # Running baseline: responses are released one by one with advantage r - b, where b is
+        # an exponential moving average of past rewards (over all prompts, or per prompt id).
+        # This changes the estimator: b is not the group mean, it lags, and for per_prompt it
+        # starts from the first reward seen (advantage 0 for that response).
+        self.baseline, self.baseline_momentum = baseline, baseline_momentum
+        self._baselines: dict = {}
+        self._units_per_group = 1 if baseline == "group" else group_size
+        self._batch_units = prompts_per_step * self._units_per_group
         self.reweight = reweight
         self._trained_levels: dict = {}
         self._cv = threading.Condition(threading.RLock())
@@ -128,7 +151,7 @@ class StreamingRollout(RolloutController):
             return
         while (
             len(self._groups) < self._target_inflight()
-            and len(self._groups) + len(self._buffer) < self.buffer_capacity
+            and len(self._groups) + len(self._buffer) / self._units_per_group < self.buffer_capacity
             and self._admission_open()
         ):
             row = self.ctx.prompts.next()
@@ -169,7 +192,9 @@ class StreamingRollout(RolloutController):
                     return
                 group = self._groups[p.group_id]
                 group.exps.append(exp)
-                if len(group.exps) == self.group_size:
+                if self.baseline != "group":
+                    self._release_single(p.group_id, group, exp)
+                elif len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
                     exps[0].extras["row"] = group.row  # lets a checkpoint re-queue its prompt
@@ -181,6 +206,17 @@ class StreamingRollout(RolloutController):
                     self._error = e
             finally:
                 self._cv.notify_all()
+
+    def _release_single(self, gid: int, group: _Group, exp: Experience) -> None:
+        key = "all" if self.baseline == "global" else group.row.get("id")
+        b = self._baselines.get(key, exp.reward)
+        exp.advantage = float(exp.reward - b)
+        self._baselines[key] = self.baseline_momentum * b + (1 - self.baseline_momentum) * exp.reward
+        exp.extras["row"] = group.row
+        oldest = min(exp.token_versions(), default=exp.policy_version)
+        self._buffer.append(_Ready(gid, [exp], oldest, time.time(), group.row.get("level")))
+        if len(group.exps) == self.group_size:
+            del self._groups[gid]
 
     # ------------------------------------------------------------------ consumer side
     def next_batch(self) -> list[Experience]:
@@ -238,7 +274,7 @@ class StreamingRollout(RolloutController):
             return []
         chosen: list[_Ready] = []
         for level, n in issued.items():
-            quota = math.floor(self.prompts_per_step * n / total)
+            quota = math.floor(self._batch_units * n / total)
             have = [r for r in self._buffer if r.level == level][:quota]
             if len(have) < quota and any(g.row.get("level") == level for g in self._groups.values()):
                 return None
@@ -286,11 +322,11 @@ class StreamingRollout(RolloutController):
             if chosen is None:
                 return None
         for r in self._buffer:
-            if len(chosen) >= self.prompts_per_step:
+            if len(chosen) >= self._batch_units:
                 break
             if r not in chosen:
                 chosen.append(r)
-        if len(chosen) < self.prompts_per_step:
+        if len(chosen) < self._batch_units:
             return None
         self._taken_count = self._taken_count + 1 if self._taken_at == version else 1
         self._taken_at = version
@@ -342,9 +378,11 @@ class StreamingRollout(RolloutController):
         with the checkpoint's weights)."""
         with self._cv:
             prompts = self.ctx.prompts
-            rows = [g.row for g in self._groups.values()]
-            rows += [r.exps[0].extras["row"] for r in self._buffer if r.exps and "row" in r.exps[0].extras]
-            return [prompts.index_of(row) for row in rows]
+            rows = {gid: g.row for gid, g in self._groups.items()}
+            for r in self._buffer:
+                if r.exps and "row" in r.exps[0].extras:
+                    rows.setdefault(r.group_id, r.exps[0].extras["row"])
+            return [prompts.index_of(row) for row in rows.values()]
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "started_groups": self.started_groups}
