@@ -32,12 +32,14 @@ mean of the weights.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 LOG_CLAMP = 20.0
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
@@ -68,26 +70,27 @@ def diagnostics(w: torch.Tensor, mask: torch.Tensor, log_w: torch.Tensor) -> dic
         "is/weight_max": vals.max(),
         "is/weight_p99": torch.quantile(vals.float(), 0.99),
         "is/zeroed_frac": (vals == 0).float().mean(),
-        "mismatch/k1": _masked_mean(-log_w, mask),  # KL(mu || pi_old), samples from mu
-        "mismatch/k3": _masked_mean(rho - 1 - log_w.clamp(-LOG_CLAMP, LOG_CLAMP), mask),
+        "mismatch/k1": masked_mean(-log_w, mask),  # KL(mu || pi_old), samples from mu
+        "mismatch/k3": masked_mean(rho - 1 - log_w.clamp(-LOG_CLAMP, LOG_CLAMP), mask),
         "mismatch/max_abs_logp_diff": (log_w.abs() * mask).max() if m.any() else torch.zeros(()),
     }
 
 
-class Correction:
+class Correction(ABC):
     """Base: ``__call__`` returns (weights [B, T] detached, metrics)."""
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
 
+    @abstractmethod
     def weights(self, log_w: torch.Tensor, mask: torch.Tensor, ctx: dict) -> torch.Tensor:
-        raise NotImplementedError
+        """Per-token weights [B, T] from log_w = log pi_old - log mu (and ctx)."""
 
     def __call__(self, log_w: torch.Tensor, mask: torch.Tensor, **ctx: torch.Tensor) -> tuple:
         log_w = log_w.detach()
         w = self.weights(log_w, mask, ctx).detach() * mask
         if self.self_normalize:
-            w = w / _masked_mean(w, mask).clamp_min(1e-12)
+            w = w / masked_mean(w, mask).clamp_min(1e-12)
         return w, diagnostics(w, mask, log_w)
 
 

@@ -6,7 +6,7 @@ The module owns the HF policy and computes response-token logprobs with the samp
 temperature (the engine returns logprobs of the tempered distribution). It pulls each
 minibatch itself (``training_step(dataloader_iter)``) so that Lightning never prefetches a
 rollout batch generated with weights that are about to change. The loss is any function with
-the signature of ``modules.losses.ppo_clip_loss`` (``algo.loss`` in the config).
+the signature of ``modules.losses.policy_loss`` (``algo.loss`` in the config).
 """
 
 from __future__ import annotations

@@ -30,14 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from modules.corrections import LOG_CLAMP, Correction, NoCorrection
+from modules.corrections import LOG_CLAMP, Correction, NoCorrection, diagnostics, masked_mean
 
-LOG_RATIO_CLAMP = LOG_CLAMP
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def aggregate(
@@ -62,7 +57,7 @@ def aggregate(
 
 
 def _log_ratio(logp: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    return (logp - anchor.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (logp - anchor.detach()).clamp(-LOG_CLAMP, LOG_CLAMP)
 
 
 # ---------------------------------------------------------------------------- objectives
@@ -149,7 +144,7 @@ def reinforce(logp, anchor, advantages, mask):
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from tokens sampled by pi; rho = pi_ref / pi."""
-    log_rho = (ref_logp.detach() - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_rho = (ref_logp.detach() - logp).clamp(-LOG_CLAMP, LOG_CLAMP)
     if kind == "k1":
         return -log_rho
     if kind == "k2":
@@ -195,9 +190,7 @@ def policy_loss(
         staleness=staleness if staleness is not None else torch.zeros(len(logp)),
     )
     if anchor == "bypass":  # w is 1 here; still report how far pi has moved from mu
-        from modules.corrections import diagnostics
-
-        drift = diagnostics(w, mask, (logp.detach() - behavior_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        drift = diagnostics(w, mask, (logp.detach() - behavior_logp).clamp(-LOG_CLAMP, LOG_CLAMP))
         metrics.update({k: v for k, v in drift.items() if k.startswith("mismatch/")})
     per_token, obj_metrics = objective(logp, pi_old, advantages, mask)
     per_token = per_token * w

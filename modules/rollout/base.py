@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from modules.engine import Completion, SamplingConfig, VLLMEngine
+from modules.engine import Completion, EngineError, SamplingConfig, VLLMEngine
 from modules.experience import Experience
 from modules.rollout.bias import BiasTracker
 
@@ -276,7 +276,10 @@ class RolloutController:
         return group
 
     def next_batch(self) -> list[Experience]:
-        raise NotImplementedError
+        """One rollout batch of complete, advantage-scored groups (each mode defines it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} is a base class: use SyncRollout, PartialRollout or StreamingRollout"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"next_group_id": self.next_group_id}
@@ -304,8 +307,6 @@ def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
     Raises ``EngineError`` if the engine dies, or if nothing finishes within
     ``engine.stall_timeout_s`` (a live but stuck engine must not hang training).
     """
-    from modules.engine import EngineError
-
     if hasattr(engine, "advance"):  # virtual-clock test engine: jump to the next completion
         while not any(f.done() for f in pending):
             engine.advance()
@@ -321,7 +322,3 @@ def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
                 f"no response finished within engine.stall_timeout_s={engine.stall_timeout_s:g} s "
                 f"({len(pending)} requests in flight): engine stalled"
             )
-
-
-def now() -> float:
-    return time.time()

@@ -17,17 +17,19 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from modules.config_errors import check
 from modules.experience import Experience
 
 
-class StalenessPolicy:
+class StalenessPolicy(ABC):
     admission_control = False
     drops = False
 
+    @abstractmethod
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         """``excess`` = staleness - max_staleness (> 0). Return the group to train, or None."""
-        raise NotImplementedError
 
 
 class Drop(StalenessPolicy):
