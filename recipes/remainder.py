@@ -99,3 +99,7 @@ if __name__ == "__main__":
     task = RemainderTask()
     for row in task.build("train", 8):
         print(row)
+    rows = task.build("train", 3000).to_list()
+    for level in range(len(LEVELS)):
+        lens = [len(r["answer"]) for r in rows if r["level"] == level]
+        print(f"level {level}: {len(lens) / len(rows):.0%} of prompts, mean reference length {sum(lens) / len(lens):.1f}")
