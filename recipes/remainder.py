@@ -102,4 +102,6 @@ if __name__ == "__main__":
     rows = task.build("train", 3000).to_list()
     for level in range(len(LEVELS)):
         lens = [len(r["answer"]) for r in rows if r["level"] == level]
-        print(f"level {level}: {len(lens) / len(rows):.0%} of prompts, mean reference length {sum(lens) / len(lens):.1f}")
+        print(
+            f"level {level}: {len(lens) / len(rows):.0%} of prompts, mean reference length {sum(lens) / len(lens):.1f}"
+        )
