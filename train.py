@@ -10,6 +10,7 @@ Every object comes from a ``_target_`` in ``conf/``; a recipe in ``recipes/`` on
 from __future__ import annotations
 
 import logging
+import signal
 
 import hydra
 import lightning as L
@@ -52,6 +53,9 @@ def train(cfg: DictConfig) -> float | None:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     except SystemExit:  # Lightning turns Ctrl-C / SIGTERM into an exit; say which (130 / 143)
         raise SystemExit(getattr(trainer, "asyncrl_exit_code", 1)) from None
+    except BaseException:
+        stop_other_ranks(trainer)  # DDP: they would wait in a collective until its timeout
+        raise
     finally:
         teardown = getattr(datamodule, "shutdown", None)
         if teardown is not None:
@@ -60,6 +64,15 @@ def train(cfg: DictConfig) -> float | None:
     log.info("%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir)
     log.info("process after job: %s", process_footprint())  # multirun leak check
     return None if metric is None else float(metric)
+
+
+def stop_other_ranks(trainer: L.Trainer) -> None:
+    """On rank 0's failure, kill the DDP ranks it launched (no-op with one device)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if trainer.global_rank == 0 and isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
 
 
 def process_footprint() -> str:

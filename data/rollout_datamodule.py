@@ -79,6 +79,10 @@ class RolloutDataModule(L.LightningDataModule):
             "null with rollout.staleness=Admit (admission control counts batches per version)",
         )
         rollout.configure_rewards(reward_errors, reward_timeout_s)
+        if reward_timeout_s is not None:
+            from modules.rollout.rewards import pickle_task
+
+            pickle_task(task)  # rewards then run in a worker process: fail before the engine starts
         self.sync_every = sync_every
         self.sync_every_s = sync_every_s
         rollout.batches_per_version = sync_every
@@ -96,6 +100,8 @@ class RolloutDataModule(L.LightningDataModule):
         check("data.eval_samples", eval_samples, eval_samples >= 0, "an int >= 0 (0 = greedy only)")
         self.eval_samples = eval_samples
         self.seed = seed
+        self.shuffle_rng = random.Random(seed)  # minibatch order; checkpointed
+        self.world_size, self.rank = 1, 0  # DDP ranks, set in setup()
         self.tokenizer: Any = None
         self.prompts: PromptStream | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -112,6 +118,21 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts = PromptStream(self.train_rows, seed=self.seed)
         if self._pending_state is not None:
             self._restore(self._pending_state)
+        self.world_size, self.rank = _world(self.trainer)
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        check(
+            "trainer.devices",
+            self.world_size,
+            n % (self.world_size * self.minibatches) == 0,
+            f"a number of ranks that, times algo.minibatches={self.minibatches}, divides the "
+            f"rollout batch rollout.prompts_per_step * rollout.group_size = {n} (every rank "
+            "takes the same number of optimizer steps on an equal shard)",
+        )
+        if self.rank != 0:
+            # DDP: only rank 0 owns the engine and the rollout controller; this rank receives
+            # its shard of every rollout batch from rank 0 (see `_share`).
+            self.engine._pin_trainer()  # keep this rank off the engine cores too
+            return
         self.engine.start()
         self.rollout.bind(
             RolloutContext(
@@ -132,8 +153,8 @@ class RolloutDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
 
-    def _batches(self) -> Iterator[dict[str, Any]]:
-        rng = random.Random(self.seed)
+    def _rollout_batches(self) -> Iterator[tuple[list[Experience], dict[str, float], bool]]:
+        """Rank 0: (experiences, stats, sync due) for each rollout batch from the controller."""
         since_sync, last_sync = 0, time.monotonic()
         while True:
             t0 = time.perf_counter()
@@ -148,7 +169,6 @@ class RolloutDataModule(L.LightningDataModule):
                 "rollout/reward_errors": float(self.rollout.reward_error_count),
             }
             stats["perf/rollout_wait_s"] = waited
-            n = len(exps)
             # Weight sync trigger: every `sync_every` rollout batches, or once `sync_every_s`
             # seconds have passed since the last sync (checked at rollout-batch boundaries).
             since_sync += 1
@@ -157,16 +177,47 @@ class RolloutDataModule(L.LightningDataModule):
             )
             if due:
                 since_sync, last_sync = 0, time.monotonic()
+            yield exps, stats, due
+
+    def _share(
+        self, item: tuple[list[Experience], dict[str, float], bool] | None
+    ) -> tuple[list[Experience], dict[str, float], bool]:
+        """DDP: rank 0 splits the rollout batch into equal contiguous shards (whole groups
+        when the group count allows) and scatters them; every rank returns its own shard.
+        The sync decision and the batch statistics travel with the shard, so all ranks take
+        the same steps and log the same rollout metrics. One rank: the batch as it is."""
+        if self.world_size == 1:
+            assert item is not None
+            return item
+        import torch.distributed as dist
+
+        payload = None
+        if self.rank == 0:
+            assert item is not None
+            exps, stats, due = item
+            size = len(exps) // self.world_size
+            payload = [(exps[r * size : (r + 1) * size], stats, due) for r in range(self.world_size)]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, payload, src=0)
+        return out[0]
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        rollouts = self._rollout_batches() if self.rank == 0 else None
+        while True:
+            exps, stats, due = self._share(next(rollouts) if rollouts is not None else None)
+            self._audit_rank(exps)
+            n = len(exps)
             batches = []
             for epoch in range(self.epochs):
                 order = list(range(n))
-                rng.shuffle(order)
+                self.shuffle_rng.shuffle(order)
                 chunks = [order[k :: self.minibatches] for k in range(self.minibatches)]
                 for k, chunk in enumerate(chunks):
                     batch: dict[str, Any] = collate([exps[i] for i in chunk], self.tokenizer.pad_token_id)
                     batch["sync_after"] = due and epoch == self.epochs - 1 and k == self.minibatches - 1
                     batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
-                    batch["num_samples"] = len(chunk) if epoch == 0 else 0
+                    # samples this optimizer step consumed across all ranks (equal shards)
+                    batch["num_samples"] = len(chunk) * self.world_size if epoch == 0 else 0
                     batches.append(batch)
             # Decoupled PPO needs pi_old: the trainer's logprobs before this update's first step.
             module = self.trainer.lightning_module if self.trainer is not None else None
@@ -185,6 +236,16 @@ class RolloutDataModule(L.LightningDataModule):
                         )
             yield from batches
 
+    def _audit_rank(self, exps: list[Experience]) -> None:
+        """DDP only: each rank appends the samples it trains on to
+        ``trained_samples.rank<r>.jsonl`` (shards must be disjoint and cover the batch)."""
+        trainer = self.trainer
+        if self.world_size == 1 or trainer is None:
+            return
+        line = {"step": trainer.global_step, "samples": [[e.group_id, e.sample_index] for e in exps]}
+        with open(Path(trainer.default_root_dir) / f"trained_samples.rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def _audit(self, exps: list[Experience]) -> None:
         """Append the trained prompt ids to ``trained_prompts.jsonl`` in the run directory:
         which prompts each policy version trained on (resume accounting, data audits)."""
@@ -193,6 +254,8 @@ class RolloutDataModule(L.LightningDataModule):
             return
         ids = sorted({e.prompt_id for e in exps})
         line = {"version": self.engine.version, "step": trainer.global_step, "prompt_ids": ids}
+        if self.world_size > 1:
+            line["samples"] = [[e.group_id, e.sample_index] for e in exps]
         with open(Path(trainer.default_root_dir) / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -257,7 +320,11 @@ class RolloutDataModule(L.LightningDataModule):
             outstanding = getattr(self.rollout, "outstanding_prompts", None)
             if prompts is not None and outstanding is not None and self.rollout.ctx is not None:
                 prompts["front"] = outstanding() + prompts["front"]  # re-queued on resume
-            return {"prompts": prompts, "rollout": self.rollout.state_dict()}
+            return {
+                "prompts": prompts,
+                "rollout": self.rollout.state_dict(),
+                "shuffle_rng": _jsonable(self.shuffle_rng.getstate()),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.prompts is None:
@@ -269,6 +336,9 @@ class RolloutDataModule(L.LightningDataModule):
         if state.get("prompts") and self.prompts is not None:
             self.prompts.load_state_dict(state["prompts"])
         self.rollout.load_state_dict(state["rollout"])
+        if state.get("shuffle_rng") is not None:
+            version, internal, gauss = state["shuffle_rng"]
+            self.shuffle_rng.setstate((version, tuple(internal), gauss))
 
 
 class _RolloutStream(IterableDataset):
@@ -277,6 +347,19 @@ class _RolloutStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.dm._batches()
+
+
+def _world(trainer: Any) -> tuple[int, int]:
+    """(world size, global rank) of the Lightning trainer; (1, 0) without one."""
+    if trainer is None:
+        return 1, 0
+    return int(trainer.world_size), int(trainer.global_rank)
+
+
+def _jsonable(state: tuple) -> list:
+    """``random.Random.getstate()`` as nested lists (checkpoints load with weights_only)."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
 
 
 def rollout_stats(exps: list[Experience]) -> dict[str, float]:

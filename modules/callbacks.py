@@ -45,10 +45,14 @@ class WeightSync(L.Callback):
         self.last_probe: list[int] | None = None
 
     def _sync(self, trainer: L.Trainer, pl_module: L.LightningModule, version: int) -> None:
+        pl_module.policy_version = version
+        if self.verify and trainer.world_size > 1:
+            self._check_ranks_agree(pl_module, version)
+        if trainer.global_rank != 0:
+            return  # DDP: rank 0 owns the engine; the weights are the same on every rank
         pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(
             pl_module.weights_for_engine(), version
         )
-        pl_module.policy_version = version
         if self.verify and self.last_probe:
             diff = self._max_diff(trainer, pl_module, self.last_probe)
             pl_module.last_weight_sync_diff = diff
@@ -57,6 +61,21 @@ class WeightSync(L.Callback):
                     f"after syncing version {version} the engine's logprobs differ from the "
                     f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})"
                 )
+
+    @staticmethod
+    def _check_ranks_agree(pl_module: L.LightningModule, version: int) -> None:
+        """DDP: every rank must hold the weights rank 0 sends to the engine. Compares a
+        float64 sum per parameter tensor across ranks (one small all-gather per sync)."""
+        params = [p.detach() for p in pl_module.policy.parameters()]
+        fingerprint = torch.stack([p.double().sum() for p in params])
+        gathered = pl_module.all_gather(fingerprint)  # [world, n_params]
+        diff = float((gathered - gathered[0]).abs().max())
+        pl_module.last_rank_weight_diff = diff
+        if diff != 0.0:
+            raise WeightSyncError(
+                f"before syncing version {version} the DDP ranks hold different weights "
+                f"(max per-tensor sum difference {diff:.3e}); the engine would serve rank 0's"
+            )
 
     @staticmethod
     def _max_diff(trainer: L.Trainer, pl_module: L.LightningModule, seq: list[int]) -> float:
@@ -121,9 +140,10 @@ class HeldOutEval(L.Callback):
         for k, v in metrics.items():
             if k.startswith("eval/"):
                 trainer.callback_metrics[k] = torch.tensor(v)
-        if trainer.log_dir:
-            out = {"first": self.history[0], "last": self.history[-1], "history": self.history}
-            Path(trainer.log_dir, "eval_summary.json").write_text(json.dumps(out, indent=1))
+        # default_root_dir, not trainer.log_dir: under DDP the latter is a collective call,
+        # and only rank 0 gets here
+        out = {"first": self.history[0], "last": self.history[-1], "history": self.history}
+        Path(trainer.default_root_dir, "eval_summary.json").write_text(json.dumps(out, indent=1))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._run(trainer, pl_module)
@@ -162,5 +182,9 @@ class CheckpointOnInterrupt(L.Callback):
         trainer.asyncrl_exit_code = code
         if trainer.global_rank == 0:
             path = Path(self.dirpath) / "interrupted.ckpt"
-            trainer.save_checkpoint(path)
+            # Not trainer.save_checkpoint: its barrier would wait for DDP ranks that may not
+            # have seen the signal. Rank 0 holds the full (replicated) state, so it writes alone.
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
             print(f"interrupted (exit {code}); checkpoint written to {path}", flush=True)

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
 from modules.policy import load_policy, named_weights, token_logprobs
 from modules.schedules import optimizers
@@ -69,6 +70,7 @@ class GRPOModule(L.LightningModule):
         self.samples_trained = 0
         self.last_weight_sync_s = 0.0
         self.last_weight_sync_diff = 0.0  # engine vs trainer logprobs after the last sync
+        self.last_rank_weight_diff = 0.0  # DDP: weight fingerprint spread across ranks
         self._t_start: float | None = None
         self._samples_at_start = 0
         self._wait_s = 0.0
@@ -114,11 +116,22 @@ class GRPOModule(L.LightningModule):
             **extra,
         )
         self.samples_trained += int(batch["num_samples"])
-        if not (torch.isfinite(loss) and torch.isfinite(logp * mask).all()):
+        if not self._all_ranks_finite(loss, logp * mask):
             return self._skip_step(loss)
         self.consecutive_skips = 0
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
+
+    def _all_ranks_finite(self, loss: torch.Tensor, logp: torch.Tensor) -> bool:
+        """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
+        alone would leave the others waiting forever in the gradient all-reduce."""
+        finite = torch.tensor(float(bool(torch.isfinite(loss)) and bool(torch.isfinite(logp).all())))
+        if self.trainer.world_size > 1:
+            import torch.distributed as dist
+
+            finite = finite.to(self.device)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item() > 0)
 
     def _skip_step(self, loss: torch.Tensor) -> None:
         """Non-finite logprobs or loss: skip the optimizer step (return None), count it, and
@@ -169,6 +182,8 @@ class GRPOModule(L.LightningModule):
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
+        if self.trainer.world_size > 1:
+            log("perf/rank_weight_max_diff", self.last_rank_weight_diff)
         dm = getattr(self._trainer, "datamodule", None)
         engine = getattr(dm, "engine", None)
         if engine is not None and getattr(engine, "started_at", None):
@@ -196,12 +211,15 @@ class GRPOModule(L.LightningModule):
         checkpoint["asyncrl"] = {
             "policy_version": self.policy_version,
             "samples_trained": self.samples_trained,
+            "rng": rng_states(),  # rank 0's; every rank resumes from them
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("asyncrl", {})
         self.policy_version = int(state.get("policy_version", 0))
         self.samples_trained = int(state.get("samples_trained", 0))
+        if state.get("rng"):
+            set_rng_states(state["rng"])
         self.configure_model()
 
     def configure_optimizers(self) -> Any:

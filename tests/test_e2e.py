@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, SHRINK
@@ -263,3 +264,43 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
     assert [b["prompt_ids"] for b in resumed][: len(after_ckpt)] == after_ckpt
     seen = {p for b in before if b["version"] < step for p in b["prompt_ids"]}
     assert not seen & {p for b in resumed for p in b["prompt_ids"]}  # nothing trained twice
+
+
+def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path, models):
+    """trainer.devices=2 on the CPU (gloo): rank 0 owns the engine and scatters each rollout
+    batch; both ranks train on disjoint halves and end with identical weights, which are the
+    weights the engine serves."""
+    steps = 3
+    rows = train(
+        tmp_path,
+        "recipe=sync_grpo",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "task._target_=tests.helpers.DigitShareTask",
+        f"trainer.max_steps={steps}",
+        "trainer.devices=2",
+        "+callbacks.zz_probe._target_=tests.ddp_probe.DumpRankWeights",
+    )
+    train_rows = [r for r in rows if r["train/loss"]]
+    assert [int(r["step"]) for r in train_rows] == list(range(steps))
+    assert all(float(r["perf/rank_weight_max_diff"]) == 0.0 for r in train_rows)
+    # 4 prompts x 4 samples per rollout batch: each rank trained 8, no sample on both ranks
+    full = [json.loads(x) for x in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
+    shards = {
+        r: [json.loads(x) for x in (tmp_path / f"trained_samples.rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    }
+    assert len(full) == len(shards[0]) == len(shards[1]) == steps
+    for k in range(steps):
+        a = {tuple(s) for s in shards[0][k]["samples"]}
+        b = {tuple(s) for s in shards[1][k]["samples"]}
+        assert len(a) == len(b) == 8 and not a & b
+        assert a | b == {tuple(s) for s in full[k]["samples"]}
+    # identical weights on both ranks, changed by training, equal to the engine's
+    w0 = torch.load(tmp_path / "weights.rank0.pt")
+    w1 = torch.load(tmp_path / "weights.rank1.pt")
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    before = load_file(models["tied"] / "model.safetensors")
+    assert any((before[k] - w0[k]).abs().max() > 0 for k in before)
+    engine = json.loads((tmp_path / "engine_diff.json").read_text())
+    assert engine["engine_version"] == steps and engine["engine_max_abs_diff"] < 1e-4
