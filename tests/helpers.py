@@ -24,3 +24,66 @@ class FailingRewardTask(RemainderTask):
 
     def reward(self, row: dict, response: str) -> float:
         raise ValueError("reward server unavailable")
+
+
+class ScriptedRewardTask:
+    """Reward-runner fixture: rows for the simulated engine (prompt ``"<length>|"``, as
+    ``benchmarks.sim_engine.SimTask``) whose reward misbehaves on chosen prompt ids.
+
+    ``hang``: sleeps forever; ``hang_child``: starts a ``sleep`` subprocess, then hangs;
+    ``fail``: raises ``ValueError``; ``odd_fail``: raises an exception that cannot be
+    unpickled; ``crash``: exits the process. Any other id scores ``id % 3 == 0``, like SimTask.
+    Defined at module level (and holding only plain data) so a reward worker can unpickle it.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        hang: tuple[int, ...] = (),
+        hang_child: tuple[int, ...] = (),
+        fail: tuple[int, ...] = (),
+        odd_fail: tuple[int, ...] = (),
+        crash: tuple[int, ...] = (),
+    ) -> None:
+        self.rows = [{"id": i, "length": n, "level": int(n >= 50)} for i, n in enumerate(lengths)]
+        self.hang, self.hang_child = set(hang), set(hang_child)
+        self.fail, self.odd_fail, self.crash = set(fail), set(odd_fail), set(crash)
+
+    def prompt_text(self, row: dict) -> str:
+        return f"{row['length']}|"
+
+    def reward(self, row: dict, response: str) -> float:
+        import os
+        import subprocess
+        import time
+
+        i = row["id"]
+        if i in self.hang_child:
+            subprocess.Popen(["sleep", "600"])
+        if i in self.hang or i in self.hang_child:
+            while True:
+                time.sleep(60)
+        if i in self.fail:
+            raise ValueError(f"verifier crashed on prompt {i}")
+        if i in self.odd_fail:
+            raise UnpicklableRewardError("grader", i)
+        if i in self.crash:
+            os._exit(3)
+        return float(i % 3 == 0)
+
+
+class UnpicklableRewardError(Exception):
+    """Pickles but cannot be unpickled (``__init__`` takes two arguments, ``args`` holds one)."""
+
+    def __init__(self, who: str, prompt: int) -> None:
+        super().__init__(f"{who} rejected prompt {prompt}")
+
+
+class UnpicklableTask(ScriptedRewardTask):
+    """Holds a lock, so it cannot be copied into a reward worker process."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        import threading
+
+        super().__init__(lengths)
+        self.lock = threading.Lock()

@@ -277,25 +277,20 @@ def test_reward_errors_can_score_zero_and_be_counted():
 
 
 def test_a_hanging_reward_times_out():
-    import threading
-
-    release = threading.Event()
-
-    class HangingTask(SimTask):
-        def reward(self, row, text):
-            release.wait(5)
-            return 1.0
+    from tests.helpers import ScriptedRewardTask  # picklable: rewards with a timeout run in a process
 
     eng = SimEngine()
-    task = HangingTask([3, 5])
+    task = ScriptedRewardTask([3, 5], hang=(0, 1))
     ctl = SyncRollout(1, 1, SAMPLING)
     ctl.bind(RolloutContext(eng, task, CharTokenizer(), PromptStream(task.rows), GroupAdvantage()))
     ctl.configure_rewards("fail", timeout_s=0.2)
-    with pytest.raises(RewardError, match="reward_timeout_s"):
-        ctl.next_batch()
-    ctl.configure_rewards("zero", timeout_s=0.2)
-    assert ctl.next_batch()[0].reward == 0.0 and ctl.reward_error_count == 1
-    release.set()
+    try:
+        with pytest.raises(RewardError, match="reward_timeout_s"):
+            ctl.next_batch()
+        ctl.configure_rewards("zero", timeout_s=0.2)
+        assert ctl.next_batch()[0].reward == 0.0 and ctl.reward_error_count == 1
+    finally:
+        ctl.close()  # stops the reward worker processes
 
 
 def test_streaming_checkpoint_requeues_outstanding_prompts():

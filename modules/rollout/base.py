@@ -16,6 +16,7 @@ from typing import Any
 from modules.engine import Completion, EngineError, SamplingConfig, VLLMEngine
 from modules.experience import Experience
 from modules.rollout.bias import BiasTracker
+from modules.rollout.rewards import RewardRunner, RewardWorkerError
 
 
 class RewardError(RuntimeError):
@@ -149,7 +150,7 @@ class RolloutController:
         self.reward_errors = "fail"
         self.reward_timeout_s: float | None = None
         self.reward_error_count = 0
-        self._reward_pool: cf.ThreadPoolExecutor | None = None
+        self._rewards: RewardRunner | None = None  # worker processes, only with a timeout
 
     def configure_rewards(self, on_error: str = "fail", timeout_s: float | None = None) -> None:
         from modules.config_errors import check
@@ -157,27 +158,42 @@ class RolloutController:
         check("data.reward_errors", on_error, on_error in ("fail", "zero"), "one of fail, zero")
         check("data.reward_timeout_s", timeout_s, timeout_s is None or timeout_s > 0, "null or a float > 0")
         self.reward_errors, self.reward_timeout_s = on_error, timeout_s
+        self._start_rewards()
+
+    def _start_rewards(self) -> None:
+        """(Re)build the reward runner for the bound task and the configured timeout."""
+        if self._rewards is not None and self.reward_timeout_s is not None:
+            self._rewards.timeout_s = self.reward_timeout_s  # same task: keep the live workers
+            return
+        self.close_rewards()
+        if self.reward_timeout_s is not None and self.ctx is not None:
+            self._rewards = RewardRunner(self.ctx.task, self.reward_timeout_s)
+
+    def close_rewards(self) -> None:
+        """Stop the reward worker processes (called by ``close``)."""
+        if self._rewards is not None:
+            self._rewards.close()
+            self._rewards = None
+
+    def close(self) -> None:
+        self.close_rewards()
 
     def score(self, row: dict, text: str) -> float:
         """The task's reward, with the configured timeout and error policy.
 
-        With a timeout the reward runs on a worker thread; a call that overruns is abandoned
-        (its thread cannot be killed) and handled like an error.
+        With a timeout the reward runs in a worker process (``modules/rollout/rewards.py``); a
+        call that overruns has its worker killed and replaced, and is handled like an error.
         """
         ctx = self.ctx
         assert ctx is not None
         try:
             if self.reward_timeout_s is None:
                 return float(ctx.task.reward(row, text))
-            if self._reward_pool is None:
-                self._reward_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="asyncrl-reward")
-            fut = self._reward_pool.submit(ctx.task.reward, row, text)
-            try:
-                return float(fut.result(timeout=self.reward_timeout_s))
-            except cf.TimeoutError:
-                raise TimeoutError(
-                    f"reward took longer than data.reward_timeout_s={self.reward_timeout_s:g} s"
-                ) from None
+            if self._rewards is None:  # never inline with a timeout: it could hang this thread
+                raise RewardWorkerError("reward runner is closed")
+            return self._rewards(row, text)
+        except RewardWorkerError:  # the runner is broken or closed: no single reward to zero
+            raise
         except Exception as e:
             if self.reward_errors == "zero":
                 self.reward_error_count += 1
@@ -185,7 +201,9 @@ class RolloutController:
             raise RewardError(f"reward function failed on prompt id {row.get('id')}: {e!r}") from e
 
     def bind(self, ctx: RolloutContext) -> None:
+        self.close_rewards()  # a new task needs new workers
         self.ctx = ctx
+        self._start_rewards()
 
     def submit_group(self, row: dict) -> dict[cf.Future, Pending]:
         """Submit G independent requests for one prompt (distinct seeds) and return them."""

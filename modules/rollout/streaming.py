@@ -358,6 +358,7 @@ class StreamingRollout(RolloutController):
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        super().close()  # reward worker processes (outside the lock: stopping one can take ~1 s)
 
     def snapshot(self) -> dict[str, Any]:
         """Counts for tests and metrics (taken under the lock)."""
