@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from modules.config_errors import check
+from modules.config_errors import check, check_choice
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +111,7 @@ class VLLMEngine:
         stall_timeout_s: float = 600.0,
         health_poll_s: float = 0.5,
         pin_trainer: bool = True,
+        weight_transfer: str = "shm",
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
         check("engine.max_num_seqs", max_num_seqs, max_num_seqs >= 1, "an int >= 1")
@@ -122,6 +123,14 @@ class VLLMEngine:
         )
         check("engine.stall_timeout_s", stall_timeout_s, stall_timeout_s > 0, "a float > 0")
         check("engine.gpu_ids", gpu_ids, gpu_ids is None or len(gpu_ids) >= 1, "null or a non-empty list")
+        # shm: safetensors files in /dev/shm (any device); nccl: GPU-to-GPU (docs/gpu.md).
+        check_choice("engine.weight_transfer", weight_transfer, ("shm", "nccl"))
+        check(
+            "engine.weight_transfer",
+            weight_transfer,
+            weight_transfer != "nccl" or gpu_ids is not None,
+            "shm when engine.gpu_ids is null (nccl needs the engine on dedicated GPUs)",
+        )
         self.model_path = str(model_path)
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -136,6 +145,8 @@ class VLLMEngine:
         self.stall_timeout_s = stall_timeout_s
         self.health_poll_s = health_poll_s
         self.pin_trainer = pin_trainer
+        self.weight_transfer = weight_transfer
+        self._transfer: Any = None  # NCCLWeightTransfer when weight_transfer == "nccl"
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -163,6 +174,10 @@ class VLLMEngine:
                 "the RL recipes start from the SFT warm start: run `make sft` first"
             )
         self._configure_placement()
+        if self.weight_transfer == "nccl" and self._transfer is None:
+            from modules.gpu_weight_transfer import NCCLWeightTransfer  # GPU-only path: import late
+
+            self._transfer = NCCLWeightTransfer(engine_ranks=len(self.gpu_ids or ()), dtype=self.dtype)
         self._thread = threading.Thread(target=self._thread_main, name="asyncrl-engine", daemon=True)
         self._thread.start()
         try:
@@ -240,6 +255,7 @@ class VLLMEngine:
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=len(self.gpu_ids) if self.gpu_ids else 1,
             disable_log_stats=True,
+            **(self._transfer.engine_args() if self._transfer is not None else {}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -260,6 +276,9 @@ class VLLMEngine:
                 llm.shutdown()
         elif llm is not None:
             llm.shutdown()
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
@@ -409,6 +428,9 @@ class VLLMEngine:
         ``abort``: they finish now with ``finish_reason="abort"`` and their partial tokens
         (the rollout controller resubmits prompt + partial response);
         ``wait``: the update waits until they finish (a generation boundary).
+
+        The tensors travel as a safetensors file in /dev/shm (``weight_transfer="shm"``) or by
+        NCCL broadcast from the trainer's GPU (``"nccl"``, see modules/gpu_weight_transfer.py).
         """
         from safetensors.torch import save_file
 
@@ -416,13 +438,18 @@ class VLLMEngine:
         t0 = time.perf_counter()
         # clear_cache=True always: stale KV would make later tokens match neither policy.
         self.wait_result(self._call(self._llm.pause_generation(mode=inflight, clear_cache=True)))
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=_scratch_dir(nbytes)) as f:
-            save_file(tensors, f.name)
-            self.wait_result(
-                self._call(self._llm.collective_rpc("asyncrl_load_weights", args=(f.name,))), timeout=300
+        if self._transfer is not None:  # engine.weight_transfer=nccl: GPU to GPU, no files
+            self._transfer.send(
+                named_tensors, self._llm, lambda coro, t: self.wait_result(self._call(coro), t)
             )
+        else:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=_scratch_dir(nbytes)) as f:
+                save_file(tensors, f.name)
+                self.wait_result(
+                    self._call(self._llm.collective_rpc("asyncrl_load_weights", args=(f.name,))), timeout=300
+                )
         # Cached prompt KV was computed by the old weights: never reuse it for the new policy.
         self.wait_result(self._call(self._llm.reset_prefix_cache()), timeout=60)
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)

@@ -93,6 +93,13 @@ def _validate_rl(cfg: DictConfig) -> None:
     )
     gpu_ids = engine.get("gpu_ids")
     devices = cfg.trainer.get("devices")
+    if engine.get("weight_transfer") == "nccl":
+        check(
+            "engine.weight_transfer",
+            "nccl",
+            cfg.trainer.get("accelerator") != "cpu",
+            "shm with trainer.accelerator=cpu (nccl broadcasts from the trainer's GPU)",
+        )
     if gpu_ids and cfg.trainer.get("accelerator") in ("gpu", "cuda") and OmegaConf.is_list(devices):
         overlap = sorted(set(gpu_ids) & set(devices))
         check(

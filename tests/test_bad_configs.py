@@ -32,6 +32,9 @@ BAD = [
         ["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=[0,1]", "engine.gpu_ids=[1]"],
         "engine.gpu_ids",
     ),
+    (["engine.weight_transfer=bogus"], "engine.weight_transfer"),
+    (["engine.weight_transfer=nccl", "trainer.accelerator=gpu"], "engine.weight_transfer"),  # no gpu_ids
+    (["engine=vllm_gpu", "trainer.accelerator=cpu"], "engine.weight_transfer"),  # nccl from a CPU trainer
     (["algo.minibatches=0"], "algo.minibatches"),
     (["algo.minibatches=1000"], "algo.minibatches"),  # more minibatches than samples
     (["algo.epochs=0"], "algo.epochs"),
