@@ -1,15 +1,34 @@
 """Rollout modes on the real engine: sync vs partial vs streaming, several seeds each.
 
-    python -m benchmarks.modes                                   # 3 recipes x 3 seeds
+    python -m benchmarks.modes                                   # 4 recipes x 3 seeds
     python -m benchmarks.modes --recipes sync_grpo --seeds 0 1 2 -- trainer.max_steps=100
+    python -m benchmarks.modes --eval-every 0 --no-bound         # throughput only (faster)
 
 Runs ``train.py`` once per (recipe, seed), each in its own process with its own engine and
 run directory under ``outputs/bench/modes``, all with the same number of trained samples
 (``trainer.max_steps`` x P x G). Reports per recipe (mean, std, min, max over seeds):
-held-out greedy reward before and after, samples/s, tokens/s, trainer and engine idle
-fractions, weight-sync seconds, staleness, dropped groups, wall time. Prints one JSON object
-(last line), writes ``result.json`` and ``modes.png`` (held-out reward vs wall-clock).
-Needs the SFT warm start (``make sft``).
+held-out greedy and sampled reward before and after, samples/s, tokens/s, trainer and engine
+idle fractions, weight-sync seconds, staleness, dropped groups, wall time, and:
+
+* ``time_to_reward_s``: training wall-clock until the held-out reward first reaches the
+  target, the mean over the reference (sync) seeds of their final held-out reward; sampled
+  reward (``eval/sampled_reward_mean``) first, greedy second; linear interpolation between
+  evaluation points (``*_first_eval``: the first evaluation at or above, no interpolation);
+  mean and std over the seeds that reached it, and how many did (``n_reached`` of ``n``).
+  The curve comes from ``benchmarks.heldout_curve``, which evaluates the checkpoints a run
+  saves every ``--eval-every`` policy versions after the run ends, so evaluation takes no time
+  on the training clock (``perf/wall_s``: seconds since the first training step; engine start-up
+  and model loading are excluded) and does not overlap background generation. Mid-run
+  in-training evaluation is switched off (``callbacks.eval.every_n_versions=0``), which also
+  keeps ``perf/samples_per_s`` free of evaluation pauses.
+* ``ratio_to_bound``: samples/s over the measured bound of ``benchmarks.bound`` (generation
+  alone and training alone on this machine, min of the two) for the recipe's config; recipes
+  whose bound-relevant config is equal share one measurement (``bounds`` in the JSON).
+* ``ratio_to_sync``: samples/s over the reference recipe's mean samples/s.
+
+Prints one JSON object (last line), writes ``result.json``, ``modes.png`` (held-out reward vs
+training wall-clock, samples/s) and ``reward_vs_wall.png`` (mean held-out reward curve per mode
+with the target line). Needs the SFT warm start (``make sft``).
 """
 
 from __future__ import annotations
@@ -17,11 +36,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.bench_metrics import mean_curve, summarize_times, target_from_finals, time_to_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,23 +81,117 @@ def main() -> None:
         default=["sync_grpo", "partial_grpo", "async_grpo", "async_grpo:rollout.stratify=true"],
         help="recipe names; 'name:override,override' adds overrides to one variant",
     )
+    parser.add_argument(
+        "--reference", default="sync_grpo", help="recipe spec whose final reward is the target"
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=5,
+        help="policy versions between held-out evaluations of the reward curve (0: no curve)",
+    )
+    parser.add_argument("--no-bound", action="store_true", help="skip the measured bound")
+    parser.add_argument("--bound-gen-samples", type=int, default=2048)
+    parser.add_argument("--bound-train-batches", type=int, default=8)
+    parser.add_argument(
+        "--prune-checkpoints",
+        action="store_true",
+        help="delete a run's step checkpoints once its reward curve is written (keeps last.ckpt)",
+    )
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "modes"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
     out = Path(args.out)
-    result = {"seeds": args.seeds, "overrides": args.overrides, "recipes": {}}
+    result: dict = {
+        "seeds": args.seeds,
+        "overrides": args.overrides,
+        "eval_every_versions": args.eval_every,
+        "reference": args.reference,
+        "recipes": {},
+    }
+    bounds: dict[str, dict] = {}
+    bound_of: dict[str, str] = {}
+    if not args.no_bound:
+        bounds, bound_of = measure_bounds(args.recipes, args.seeds[0], args.overrides, args)
+        result["bounds"] = bounds
     all_runs = {}
     for recipe in args.recipes:
-        all_runs[recipe] = run_recipe(recipe, args.seeds, out, args.overrides)
+        all_runs[recipe] = run_recipe(
+            recipe, args.seeds, out, args.overrides, args.eval_every, args.prune_checkpoints
+        )
         result["recipes"][recipe] = aggregate(all_runs[recipe])
+    add_comparisons(result, all_runs, args.reference, bounds, bound_of)
     plot(all_runs, out / "modes.png")
+    if args.eval_every:
+        plot_reward_vs_wall(all_runs, result.get("time_to_reward_target", {}), out / "reward_vs_wall.png")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
-def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> list[dict]:
+def split_spec(spec: str) -> tuple[str, list[str]]:
+    """'async_grpo:rollout.stratify=true,x=1' -> ('async_grpo', ['rollout.stratify=true', 'x=1'])."""
     recipe, _, extra = spec.partition(":")
-    overrides = [*overrides, *filter(None, extra.split(","))]
+    return recipe, list(filter(None, extra.split(",")))
+
+
+def steps_per_version(overrides: list[str]) -> int:
+    """Optimizer steps per policy version (weight sync) of a composed config."""
+    from benchmarks.bound import compose_config
+
+    cfg = compose_config(overrides)
+    return int(cfg.algo.minibatches) * int(cfg.algo.epochs) * int(cfg.data.sync_every)
+
+
+def measure_bounds(
+    specs: list[str], seed: int, overrides: list[str], args: argparse.Namespace
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Run ``benchmarks.bound`` once per distinct bound-relevant config (named by the first
+    spec that has it); returns the measurements and which one each spec uses."""
+    from benchmarks.bound import bound_key, compose_config
+
+    measured: dict[str, dict] = {}
+    label_of_key: dict[str, str] = {}
+    bound_of: dict[str, str] = {}
+    for spec in specs:
+        recipe, extra = split_spec(spec)
+        spec_overrides = [f"recipe={recipe}", f"seed={seed}", *overrides, *extra]
+        key = bound_key(compose_config(spec_overrides))
+        if key not in label_of_key:
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.bound",
+                f"--gen-samples={args.bound_gen_samples}",
+                f"--train-batches={args.bound_train_batches}",
+                *spec_overrides,
+            ]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"bound for {spec} failed:\n{proc.stderr[-3000:]}")
+            label_of_key[key] = spec
+            measured[spec] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(json.dumps({"bound": spec, **measured[spec]}), file=sys.stderr)
+        bound_of[spec] = label_of_key[key]
+    return measured, bound_of
+
+
+def run_recipe(
+    spec: str,
+    seeds: list[int],
+    out: Path,
+    overrides: list[str],
+    eval_every: int = 5,
+    prune_checkpoints: bool = False,
+) -> list[dict]:
+    recipe, extra = split_spec(spec)
+    overrides = [*overrides, *extra]
+    # Mid-run evaluation off (it would pause the training clock, unequally across modes); the
+    # reward curve comes from checkpoints evaluated after the run. Later overrides win, so a
+    # user's own callbacks.* overrides (after --) still apply.
+    injected = ["callbacks.eval.every_n_versions=0"]
+    if eval_every:
+        k = eval_every * steps_per_version([f"recipe={recipe}", *overrides])
+        injected.append(f"callbacks.checkpoint.every_n_train_steps={k}")
     per_seed = []
     for seed in seeds:
         run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
@@ -86,6 +202,7 @@ def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> 
             f"recipe={recipe}",
             f"seed={seed}",
             f"hydra.run.dir={run_dir}",
+            *injected,
             *overrides,
         ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -94,6 +211,7 @@ def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> 
         wall = time.time() - t0
         rows = read_metrics(run_dir)
         summary = json.loads((run_dir / "eval_summary.json").read_text())
+        curve = heldout_curve(run_dir, prune_checkpoints) if eval_every else None
         per_seed.append(
             {
                 "seed": seed,
@@ -137,6 +255,9 @@ def run_recipe(spec: str, seeds: list[int], out: Path, overrides: list[str]) -> 
                 "train_reward_last10": statistics.fmean(
                     [float(r["train/reward_mean"]) for r in rows if r.get("train/reward_mean")][-10:]
                 ),
+                # training clock: seconds from the first training step to the last one's log
+                "train_wall_s": last(rows, "perf/wall_s"),
+                **curve_fields(curve),
             }
         )
         print(json.dumps({"recipe": spec, **per_seed[-1]}), file=sys.stderr)
@@ -155,6 +276,7 @@ def aggregate(per_seed: list[dict]) -> dict:
         "engine_idle_frac",
         "weight_sync_s_mean",
         "wall_s",
+        "train_wall_s",
         "train_reward_first10",
         "train_reward_last10",
         "staleness_mean",
@@ -177,6 +299,148 @@ def aggregate(per_seed: list[dict]) -> dict:
     }
 
 
+def heldout_curve(run_dir: Path, prune_checkpoints: bool) -> dict:
+    """Evaluate the run's checkpoints after training (``benchmarks.heldout_curve``)."""
+    cmd = [sys.executable, "-m", "benchmarks.heldout_curve", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"held-out curve of {run_dir} failed:\n{proc.stderr[-3000:]}")
+    curve = json.loads(proc.stdout.strip().splitlines()[-1])
+    if prune_checkpoints:
+        from benchmarks.heldout_curve import step_checkpoints
+
+        for _, path in step_checkpoints(run_dir):
+            path.unlink()
+    return curve
+
+
+def curve_fields(curve: dict | None) -> dict:
+    """Per-seed reward-vs-training-time points, and the post-hoc vs in-training final check."""
+    if curve is None:
+        return {}
+    pts = curve["points"]
+    fields = {
+        "curve": [
+            {
+                "train_wall_s": p["train_wall_s"],
+                "step": p["step"],
+                "sampled": p.get("eval/sampled_reward_mean", float("nan")),
+                "greedy": p["eval/reward_mean"],
+            }
+            for p in pts
+        ],
+        "curve_weight_check_max_abs_diff": curve["weight_check_max_abs_diff"],
+        "posthoc_eval_s": curve["posthoc_eval_s"],
+    }
+    inline = curve.get("inline_last") or {}
+    if pts and inline and curve.get("inline_last_step") == pts[-1]["step"]:
+        fields["posthoc_minus_inline_final"] = {
+            k: pts[-1][k] - inline[k]
+            for k in ("eval/reward_mean", "eval/sampled_reward_mean")
+            if k in inline and k in pts[-1]
+        }
+    return fields
+
+
+CURVE_KEYS = ("sampled", "greedy")  # primary, secondary
+
+
+def add_comparisons(
+    result: dict,
+    all_runs: dict[str, list[dict]],
+    reference: str,
+    bounds: dict[str, dict],
+    bound_of: dict[str, str],
+) -> None:
+    """Time to the reference's final reward, ratios to the bound and to the reference."""
+    ref_runs = all_runs.get(reference)
+    ref_rate = statistics.fmean(s["samples_per_s"] for s in ref_runs) if ref_runs else None
+    targets: dict[str, float] = {}
+    if ref_runs and all("curve" in s for s in ref_runs):
+        for name in CURVE_KEYS:
+            finals = [s["curve"][-1][name] for s in ref_runs if s["curve"]]
+            if any(not math.isnan(v) for v in finals):
+                targets[name] = target_from_finals(finals)
+        result["time_to_reward_target"] = {
+            **targets,
+            "reference": reference,
+            "definition": "mean over the reference seeds of their final post-hoc held-out reward",
+        }
+    elif all_runs and any("curve" in s for runs in all_runs.values() for s in runs):
+        result["time_to_reward_target"] = {"reference": reference, "note": "reference recipe not run"}
+    for spec, runs in all_runs.items():
+        agg = result["recipes"][spec]
+        if ref_rate:
+            agg["ratio_to_sync"] = summarize([s["samples_per_s"] / ref_rate for s in runs])
+        if spec in bound_of:
+            b = bounds[bound_of[spec]]
+            agg["bound"] = {
+                "measured_as": bound_of[spec],
+                "samples_per_s": b["bound_samples_per_s"],
+                "limited_by": b["limited_by"],
+                "generation_samples_per_s": b["generation"]["samples_per_s"],
+                "training_samples_per_s": b["training"]["samples_per_s"],
+                "bound_with_sync_samples_per_s": b["bound_with_sync_samples_per_s"],
+                # The bound trains the issued (unbiased) mix of responses. A mode that trains a
+                # shorter mix (dropping stale long groups) has cheaper steps and can exceed it:
+                # compare with this recipe's response_len_mean.
+                "trained_response_len_mean": b["training"]["response_len_mean"],
+            }
+            agg["ratio_to_bound"] = summarize([s["samples_per_s"] / b["bound_samples_per_s"] for s in runs])
+        if targets and all("curve" in s for s in runs):
+            ttr = {}
+            for name, target in targets.items():
+                for interpolate, suffix in ((True, ""), (False, "_first_eval")):
+                    ttr[name + suffix] = summarize_times(
+                        [
+                            time_to_reward(
+                                [p["train_wall_s"] for p in s["curve"]],
+                                [p[name] for p in s["curve"]],
+                                target,
+                                interpolate,
+                            )
+                            for s in runs
+                        ]
+                    )
+            ttr["train_wall_s_per_seed"] = [s["train_wall_s"] for s in runs]
+            agg["time_to_reward_s"] = ttr
+
+
+def plot_reward_vs_wall(all_runs: dict[str, list[dict]], targets: dict, path: Path) -> None:
+    """Held-out reward vs training wall-clock per mode: seeds faint, their mean bold, target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, name, label in (
+        (axes[0], "sampled", "held-out sampled reward (eval/sampled_reward_mean)"),
+        (axes[1], "greedy", "held-out greedy reward (eval/reward_mean)"),
+    ):
+        for i, (recipe, runs) in enumerate(all_runs.items()):
+            curves = [
+                ([p["train_wall_s"] for p in s["curve"]], [p[name] for p in s["curve"]])
+                for s in runs
+                if s.get("curve")
+            ]
+            for ts, vs in curves:
+                ax.plot(ts, vs, color=f"C{i}", alpha=0.25, marker=".", lw=0.8)
+            grid, mean = mean_curve(curves)
+            if grid:
+                ax.plot(grid, mean, color=f"C{i}", lw=2, label=f"{recipe} (mean of {len(curves)})")
+        if name in targets:
+            ax.axhline(targets[name], color="k", ls="--", lw=1, label=f"target {targets[name]:.3f}")
+        ax.set_xlabel("training wall-clock s (evaluation excluded)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("held-out reward vs training time; target = reference recipe's final reward")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
@@ -187,10 +451,14 @@ def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
     colors = {name: f"C{i}" for i, name in enumerate(all_runs)}
     for recipe, runs in all_runs.items():
         for i, s in enumerate(runs):
-            steps, vals = zip(*s["eval_history"])
-            frac = [st / max(steps) for st in steps]
+            if s.get("curve"):  # evaluated after training, at the training time of each checkpoint
+                xs = [p["train_wall_s"] for p in s["curve"]]
+                vals = [p["greedy"] for p in s["curve"]]
+            else:  # only the in-training first and last evaluations: place them by step
+                steps, vals = zip(*s["eval_history"])
+                xs = [st / max(max(steps), 1) * s["train_wall_s"] for st in steps]
             axes[0].plot(
-                [f * s["wall_s"] for f in frac],
+                xs,
                 vals,
                 marker="o",
                 color=colors.get(recipe),
@@ -198,7 +466,7 @@ def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
                 label=recipe if i == 0 else None,
             )
         axes[1].bar(recipe, statistics.fmean(r["samples_per_s"] for r in runs), color=colors.get(recipe))
-    axes[0].set_xlabel("wall-clock s (eval points placed by step; approximate)")
+    axes[0].set_xlabel("training wall-clock s")
     axes[0].set_ylabel("held-out greedy reward")
     axes[0].legend()
     axes[1].set_ylabel("trained samples / s (mean over seeds)")
@@ -206,6 +474,7 @@ def plot(all_runs: dict[str, list[dict]], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

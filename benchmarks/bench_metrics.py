@@ -1,0 +1,99 @@
+"""Pure functions behind the rollout-mode benchmark's time-to-reward figures (no vLLM, no torch).
+
+Used by ``benchmarks/modes.py``; tested without an engine by
+
+    python -m pytest -q tests/test_bench_metrics.py
+
+A held-out reward curve is a list of evaluation points ``(training wall-clock s, reward)`` in
+increasing time. ``time_to_reward`` finds when a curve first reaches a target reward,
+``target_from_finals`` turns the reference runs' final rewards into that target, and
+``summarize_times`` aggregates per-seed results honestly (seeds that never reach the target are
+counted, not averaged in).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def _clean(times: Sequence[float], values: Sequence[float]) -> list[tuple[float, float]]:
+    if len(times) != len(values):
+        raise ValueError(f"times has {len(times)} entries but values has {len(values)}")
+    pts = [(float(t), float(v)) for t, v in zip(times, values) if not math.isnan(float(v))]
+    if any(b[0] < a[0] for a, b in zip(pts, pts[1:])):
+        raise ValueError("evaluation times must be non-decreasing")
+    return pts
+
+
+def time_to_reward(
+    times: Sequence[float], values: Sequence[float], target: float, interpolate: bool = True
+) -> float | None:
+    """First training wall time at which the curve reaches ``target``; None if it never does.
+
+    With ``interpolate`` the curve is taken as linear between evaluation points, and the answer
+    is where the segment from the last point below the target to the first point at or above
+    it crosses the target. Without, it is the time of the first point at or above the target
+    (an upper bound on the crossing, at the resolution of the evaluations). A curve that starts
+    at or above the target reaches it at its first point. Points with NaN rewards are skipped.
+    """
+    pts = _clean(times, values)
+    for i, (t, v) in enumerate(pts):
+        if v >= target:
+            if i == 0 or not interpolate:
+                return t
+            t0, v0 = pts[i - 1]
+            return t0 + (target - v0) / (v - v0) * (t - t0)  # v0 < target <= v, so v > v0
+    return None
+
+
+def target_from_finals(finals: Sequence[float]) -> float:
+    """The target reward: the mean of the reference runs' final held-out rewards (NaN skipped)."""
+    vals = [float(v) for v in finals if not math.isnan(float(v))]
+    if not vals:
+        raise ValueError("no finite final reward to define a target from")
+    return statistics.fmean(vals)
+
+
+def summarize_times(per_seed: Sequence[float | None]) -> dict[str, object]:
+    """Mean and population std over the seeds that reached the target; how many did.
+
+    ``mean``/``std`` are None when no seed reached it. Seeds that did not reach it are not
+    averaged in (they would need a time they never produced): read ``n_reached`` of ``n``.
+    """
+    reached = [float(t) for t in per_seed if t is not None]
+    return {
+        "mean": statistics.fmean(reached) if reached else None,
+        "std": statistics.pstdev(reached) if len(reached) > 1 else (0.0 if reached else None),
+        "n_reached": len(reached),
+        "n": len(per_seed),
+        "per_seed": [None if t is None else float(t) for t in per_seed],
+    }
+
+
+def interp(times: Sequence[float], values: Sequence[float], t: float) -> float:
+    """Linear interpolation of the curve at ``t`` (clamped to its first and last points)."""
+    pts = _clean(times, values)
+    if not pts:
+        return math.nan
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
+def mean_curve(
+    curves: Sequence[tuple[Sequence[float], Sequence[float]]], points: int = 50
+) -> tuple[list[float], list[float]]:
+    """Mean over seeds of linearly interpolated curves, on a grid from 0 to the shortest run's
+    last evaluation (so every seed contributes to every grid point)."""
+    curves = [c for c in curves if len(c[0])]
+    if not curves:
+        return [], []
+    end = min(max(ts) for ts, _ in curves)
+    grid = [end * i / (points - 1) for i in range(points)] if points > 1 else [end]
+    means = [statistics.fmean(interp(ts, vs, g) for ts, vs in curves) for g in grid]
+    return grid, means

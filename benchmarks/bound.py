@@ -1,0 +1,351 @@
+"""Measured throughput bound of a recipe on this machine: generation alone, then training alone.
+
+    python -m benchmarks.bound                                   # sync_grpo (the default recipe)
+    python -m benchmarks.bound recipe=async_grpo                 # any train.py overrides
+    python -m benchmarks.bound --gen-samples 4096 --train-batches 16 recipe=partial_grpo
+
+The config is composed exactly as ``train.py`` composes it (``conf/train.yaml`` + overrides),
+and the two halves of a pipeline are measured one after the other, never concurrently:
+
+(a) generation only: the recipe's engine (pinned to ``engine.cpu_cores``; starting it pins
+    this process to the other cores, as in training) generates the recipe's prompts with its
+    sampling parameters and group size, keeping as many groups in flight as the recipe does
+    (``rollout.max_inflight`` groups for streaming and partial, ``rollout.prompts_per_step``
+    for sync), topped up as each group completes, with no trainer. Rewards and advantages are
+    computed as in training (on this process's core, as in training). Samples/s counts
+    completed responses between the end of a warm-up and the end of the measured window.
+    Then the weight-sync time (trainer weights -> engine, nothing in flight) is timed.
+(b) training only: with the engine shut down, this process pinned like the trainer
+    (``VLLMEngine._pin_trainer``) and ``torch_threads`` threads, the recipe's GRPO module runs
+    Lightning training steps (forward, backward, clipping, optimizer; collation and
+    ``old_logprobs`` where the loss needs them) on the experiences generated in (a), split into
+    rollout batches of P x G and minibatches x epochs steps like ``RolloutDataModule``.
+    Samples/s counts trained samples after the warm-up rollout batches. One trainer process
+    (``trainer.devices=1``); the experiences are the issued mix, in issue order, so a mode that
+    trains a shorter mix (e.g. dropping stale long groups) has cheaper steps than this.
+
+No pipeline of the two can train faster than ``bound_samples_per_s = min(gen, train)``. Weight
+syncs stall both sides in every mode; ``bound_with_sync_samples_per_s`` charges one sync per
+policy version on top (a tighter, still optimistic, bound). Prints one JSON object (last line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_config(overrides: list[str], output_dir: str | None = None) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides`` as train.py would (no Hydra run dir)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    out = output_dir or "/tmp/asyncrl-bench"  # a string only; nothing here writes to it
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[f"paths.root_dir={ROOT}", f"paths.output_dir={out}", *overrides],
+        )
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def concurrency_groups(rollout: Any) -> int:
+    """Groups the recipe keeps generating at once: streaming / partial ``max_inflight``
+    (partial: ceil(over_provision x P)), sync ``prompts_per_step``."""
+    return int(getattr(rollout, "max_inflight", None) or rollout.prompts_per_step)
+
+
+def bound_key(cfg: DictConfig) -> str:
+    """What the bound depends on. Recipes with equal keys share one measurement; the rollout
+    mode itself does not enter (the bound has no barrier and no staleness policy)."""
+    from hydra.utils import instantiate
+
+    rollout = instantiate(cfg.rollout)
+    parts = {
+        "model": cfg.model.path,
+        "task": OmegaConf.to_container(cfg.task, resolve=True),
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+        "P": rollout.prompts_per_step,
+        "G": rollout.group_size,
+        "concurrency_groups": concurrency_groups(rollout),
+        "sampling": rollout.sampling.as_dict(),
+        "algo": OmegaConf.to_container(cfg.algo, resolve=True),
+        "module": OmegaConf.to_container(cfg.module, resolve=True),
+        "trainer": {k: cfg.trainer.get(k) for k in ("precision", "gradient_clip_val", "accelerator")},
+        "torch_threads": cfg.torch_threads,
+        "sync_every": cfg.data.sync_every,
+    }
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+# ---------------------------------------------------------------------------- (a) generation
+def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: int = 3) -> dict[str, Any]:
+    """Steady-state samples/s of the engine alone; returns the figures and the experiences."""
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
+
+    from modules.policy import load_policy, named_weights
+    from modules.rollout.base import PromptStream, RolloutContext, wait_any
+
+    task = instantiate(cfg.task)
+    controller = instantiate(cfg.rollout)  # only its request / reward / advantage helpers run
+    controller.configure_rewards(cfg.data.reward_errors, cfg.data.reward_timeout_s)  # as training
+    engine = instantiate(cfg.engine)
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    prompts = PromptStream(list(task.build("train", cfg.data.train_size)), seed=cfg.seed)
+    max_groups = concurrency_groups(controller)
+    g = controller.group_size
+    engine.start()
+    try:
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        controller.bind(
+            RolloutContext(engine, task, tokenizer, prompts, instantiate(cfg.algo.advantage), seed=cfg.seed)
+        )
+        inflight: dict[Any, Any] = {}
+        open_groups: dict[int, list] = {}
+        groups: list[list] = []
+        done_times: list[float] = []
+        done_tokens: list[int] = []
+        total = warmup + samples
+
+        def top_up() -> None:
+            while len(open_groups) < max_groups and len(done_times) < total:
+                started = controller.submit_group(prompts.next())
+                open_groups[next(iter(started.values())).group_id] = []
+                inflight.update(started)
+
+        top_up()
+        while inflight:
+            done = wait_any(engine, set(inflight))
+            for fut in done:
+                p = inflight.pop(fut)
+                exp = controller.to_experience(fut.result(), p)
+                done_times.append(time.perf_counter())
+                done_tokens.append(len(exp.response_ids))
+                group = open_groups[p.group_id]
+                group.append(exp)
+                if len(group) == g:
+                    groups.append(controller.finish_group(open_groups.pop(p.group_id)))
+            top_up()  # stops issuing once `total` responses are in; the rest drain untimed
+        # Timed window: from the warmup-th completed response to the last one counted.
+        t0, t1 = done_times[warmup - 1], done_times[total - 1]
+        n = samples
+        window_tokens = done_tokens[warmup:total]
+        policy, _ = load_policy(engine.model_path)
+        weights = named_weights(policy)
+        sync_s = [engine.update_weights(weights, engine.version) for _ in range(sync_trials)]
+    finally:
+        close = getattr(controller, "close", None)  # reward workers, if any
+        if close is not None:
+            close()
+        engine.shutdown()
+    groups.sort(key=lambda grp: grp[0].group_id)  # issue order: no completion-time bias
+    return {
+        "figures": {
+            "concurrency_groups": max_groups,
+            "concurrency_requests": max_groups * g,
+            "engine_max_num_seqs": engine.max_num_seqs,
+            "warmup_samples": warmup,
+            "samples": n,
+            "seconds": t1 - t0,
+            "samples_per_s": n / (t1 - t0),
+            "tokens_per_s": sum(window_tokens) / (t1 - t0),
+            "response_len_mean": statistics.fmean(window_tokens),
+            "trainer_affinity_during_generation": affinity,
+        },
+        "weight_sync_s": statistics.median(sync_s) if sync_s else None,
+        "groups": groups,
+    }
+
+
+# ---------------------------------------------------------------------------- (b) training
+def replay_batches(groups: list[list], prompts_per_step: int, n_batches: int) -> Iterator[list[list]]:
+    """``n_batches`` rollout batches of P groups from ``groups``, cycling if there are too few."""
+    if not groups:
+        raise ValueError("no complete groups to train on")
+    k = 0
+    for _ in range(n_batches):
+        batch = []
+        for _ in range(prompts_per_step):
+            batch.append(groups[k % len(groups)])
+            k += 1
+        yield batch
+
+
+def measure_training(
+    cfg: DictConfig, groups: list[list], warmup_batches: int, batches: int
+) -> dict[str, Any]:
+    """Samples/s of the GRPO module's training steps on replayed experiences, no engine."""
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+    from torch.utils.data import DataLoader, IterableDataset
+    from transformers import AutoTokenizer
+
+    from data.rollout_datamodule import rollout_stats
+    from modules.experience import collate
+
+    L.seed_everything(cfg.seed, workers=True)
+    torch.set_num_threads(cfg.torch_threads)
+    engine = instantiate(cfg.engine)  # never started: used only to pin this process like training
+    engine._pin_trainer()
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    p, mb, ep = int(cfg.rollout.prompts_per_step), int(cfg.algo.minibatches), int(cfg.algo.epochs)
+    pad_id = AutoTokenizer.from_pretrained(engine.model_path).pad_token_id
+    rollout_batches = list(replay_batches(groups, p, warmup_batches + batches))
+    steps_per_batch = mb * ep
+
+    class Replay(L.LightningDataModule):
+        """Minibatches as RolloutDataModule._batches forms them, from recorded experiences."""
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(_Stream(self), batch_size=None, num_workers=0)
+
+        def batches(self) -> Iterator[dict[str, Any]]:
+            rng = random.Random(cfg.seed)
+            module = self.trainer.lightning_module
+            for rb in rollout_batches:
+                exps = [e for grp in rb for e in grp]
+                stats = rollout_stats(exps)
+                out = []
+                for epoch in range(ep):
+                    order = list(range(len(exps)))
+                    rng.shuffle(order)
+                    for k in range(mb):
+                        chunk = order[k::mb]
+                        batch = collate([exps[i] for i in chunk], pad_id)
+                        batch["sync_after"] = False
+                        batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
+                        batch["num_samples"] = len(chunk) if epoch == 0 else 0
+                        out.append(batch)
+                if getattr(module, "needs_old_logprobs", False):
+                    for batch in out:
+                        batch["old_logprobs"] = module.old_logprobs(batch)
+                yield from out
+
+    class _Stream(IterableDataset):
+        def __init__(self, dm: Replay) -> None:
+            self.dm = dm
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            return self.dm.batches()
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.samples: list[int] = []
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            self.ends.append(time.perf_counter())
+            self.samples.append(int(pl_module._current_batch["num_samples"]))
+
+    clock = StepClock()
+    module = instantiate(cfg.module)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp:
+        trainer = instantiate(
+            cfg.trainer,
+            max_steps=len(rollout_batches) * steps_per_batch,
+            devices=1,  # one trainer process: the bound of trainer.devices > 1 is not measured
+            callbacks=[clock],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp,
+        )
+        try:
+            trainer.fit(module, datamodule=Replay())
+        finally:
+            saved = getattr(engine, "_saved_affinity", None)
+            if saved:
+                os.sched_setaffinity(0, saved)
+    w = warmup_batches * steps_per_batch  # >= 1: the timed window starts at the end of step w
+    seconds = clock.ends[-1] - clock.ends[w - 1]
+    n = sum(clock.samples[w:])
+    step_s = [b - a for a, b in zip(clock.ends[w - 1 :], clock.ends[w:])]
+    lengths = [len(e.response_ids) for rb in rollout_batches[warmup_batches:] for grp in rb for e in grp]
+    return {
+        "warmup_batches": warmup_batches,
+        "batches": batches,
+        "steps": len(clock.ends) - w,
+        "samples": n,
+        "seconds": seconds,
+        "samples_per_s": n / seconds,
+        "step_s_median": statistics.median(step_s) if step_s else None,
+        "response_len_mean": statistics.fmean(lengths),
+        "minibatches": mb,
+        "epochs": ep,
+        "torch_threads": cfg.torch_threads,
+        "trainer_affinity": affinity,
+    }
+
+
+# ---------------------------------------------------------------------------- entry point
+def measure(
+    overrides: list[str],
+    gen_warmup: int = 256,
+    gen_samples: int = 2048,
+    train_warmup_batches: int = 1,
+    train_batches: int = 8,
+) -> dict[str, Any]:
+    if gen_warmup < 1 or gen_samples < 1 or train_warmup_batches < 1 or train_batches < 1:
+        raise ValueError("warm-ups and measured counts must be >= 1")
+    import torch
+
+    cfg = compose_config(overrides)
+    torch.set_num_threads(cfg.torch_threads)  # as train.py, before anything is built
+    gen = measure_generation(cfg, gen_warmup, gen_samples)
+    train = measure_training(cfg, gen["groups"], train_warmup_batches, train_batches)
+    g_rate, t_rate = gen["figures"]["samples_per_s"], train["samples_per_s"]
+    bound = min(g_rate, t_rate)
+    per_version = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size) * int(cfg.data.sync_every)
+    sync_s = gen["weight_sync_s"] or 0.0
+    return {
+        "overrides": overrides,
+        "recipe": ([o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")] or ["sync_grpo"])[-1],
+        "prompts_per_step": int(cfg.rollout.prompts_per_step),
+        "group_size": int(cfg.rollout.group_size),
+        "sampling": OmegaConf.to_container(cfg.rollout.sampling, resolve=True),
+        "generation": gen["figures"],
+        "training": train,
+        "weight_sync_s": gen["weight_sync_s"],
+        "bound_samples_per_s": bound,
+        "limited_by": "generation" if g_rate <= t_rate else "training",
+        "bound_with_sync_samples_per_s": 1.0 / (1.0 / bound + sync_s / per_version),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gen-warmup", type=int, default=256, help="responses before the timed window")
+    parser.add_argument("--gen-samples", type=int, default=2048, help="responses in the timed window")
+    parser.add_argument("--train-warmup-batches", type=int, default=1, help="untimed rollout batches")
+    parser.add_argument("--train-batches", type=int, default=8, help="timed rollout batches of P x G")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("overrides", nargs="*", help="train.py (Hydra) overrides, e.g. recipe=async_grpo")
+    args = parser.parse_args()
+    result = measure(
+        args.overrides, args.gen_warmup, args.gen_samples, args.train_warmup_batches, args.train_batches
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

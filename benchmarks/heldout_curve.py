@@ -1,0 +1,169 @@
+"""Held-out reward vs training wall-clock of a finished run, evaluated after training from its
+checkpoints.
+
+    python -m benchmarks.heldout_curve outputs/bench/modes/sync_grpo/seed0
+
+``benchmarks.modes`` runs this after every training run (it also makes the run save a checkpoint
+every few policy versions). Evaluating afterwards, not inside training, keeps evaluation out of
+the training clock exactly: an in-training evaluation pauses the trainer, but in the streaming
+and partial modes the engine keeps generating training samples during it, so subtracting its
+duration would still credit those modes with free generation time (and ``perf/samples_per_s``
+would include the pauses).
+
+It reads the run's ``train.py`` overrides (``RUN/.hydra/overrides.yaml``), composes the same
+config, starts the same engine and ``RolloutDataModule`` (same held-out prompts, greedy and
+sampled passes, per-request seeds), then evaluates the initial weights (``model.path``) at
+training time 0, the trainer's weights from every ``RUN/checkpoints/*step=N*.ckpt`` and, if no
+checkpoint holds the final step, the final weights from ``RUN/hf_model``. After
+each load the engine scores one sequence and must match the trainer's logprobs within
+``callbacks.weight_sync.tolerance``. A checkpoint's training wall time is ``perf/wall_s`` of the
+training step that produced those weights (``metrics.csv`` row ``step = N - 1``): seconds since
+the first training step began, taken after that step's forward pass, so each point is early by
+one backward + optimizer step (the same in every mode). Writes ``RUN/heldout_curve.json`` and
+prints it as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CKPT_STEP = re.compile(r"step=(\d+)")
+
+
+def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(global step, path) of the run's step checkpoints, one per step, by step."""
+    found: dict[int, Path] = {}
+    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
+        m = CKPT_STEP.search(path.name)
+        if m and path.name != "last.ckpt":
+            found.setdefault(int(m.group(1)), path)
+    return sorted(found.items())
+
+
+def wall_at_steps(run_dir: Path) -> dict[int, dict[str, float]]:
+    """metrics.csv rows logged by training steps, by step: ``perf/wall_s``, ``perf/samples_total``."""
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for r in rows:
+        if r.get("perf/wall_s") and r.get("step"):
+            out[int(r["step"])] = {
+                "wall_s": float(r["perf/wall_s"]),
+                "samples": float(r["perf/samples_total"]),
+            }
+    return out
+
+
+def training_time_of(step: int, logged: dict[int, dict[str, float]]) -> dict[str, float] | None:
+    """Wall time and samples when the weights after ``step`` optimizer steps existed: the row of
+    step ``step - 1`` (or the last logged before it, if that step was skipped as non-finite)."""
+    before = [s for s in logged if s <= step - 1]
+    return logged[max(before)] if before else None
+
+
+def run_overrides(run_dir: Path) -> list[str]:
+    saved = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    return [o for o in saved if not o.lstrip("+~").startswith("hydra.")]
+
+
+def evaluate_run(run_dir: Path) -> dict[str, Any]:
+    import torch
+    from hydra.utils import instantiate
+
+    from benchmarks.bound import compose_config
+    from modules.policy import load_policy, named_weights, token_logprobs
+
+    cfg = compose_config(run_overrides(run_dir), output_dir=str(run_dir))
+    torch.set_num_threads(cfg.torch_threads)
+    tolerance = float(cfg.callbacks.weight_sync.tolerance)
+    logged = wall_at_steps(run_dir)
+    ckpts = step_checkpoints(run_dir)
+    dm = instantiate(cfg.data)
+    dm.setup("fit")  # starts the engine (initial weights: model.path); no rollout generation
+    points: list[dict[str, Any]] = []
+    max_diff = 0.0
+    try:
+        probe = dm.tokenizer(dm.task.prompt_text(dm.eval_rows[0]))["input_ids"]
+        t0 = time.perf_counter()
+        points.append({"step": 0, "policy_version": 0, "train_wall_s": 0.0, "samples": 0.0, **dm.evaluate()})
+        policy, _ = load_policy(cfg.module.model_path)
+        policy.eval()
+        # The final weights: the last step checkpoint, or else the run's hf_model (saved at the
+        # end of training) when the checkpoint cadence does not divide the number of steps.
+        final_step = max(logged) + 1 if logged else 0
+        sources: list[tuple[int, Path]] = list(ckpts)
+        if final_step not in dict(ckpts) and (run_dir / "hf_model" / "config.json").exists():
+            sources.append((final_step, run_dir / "hf_model"))
+        for step, path in sources:
+            when = training_time_of(step, logged)
+            if when is None:
+                continue
+            if path.is_dir():
+                final, _ = load_policy(path)
+                policy.load_state_dict(final.state_dict())
+                version = -1  # not recorded in hf_model
+            else:
+                ckpt = torch.load(path, map_location="cpu", weights_only=False)  # written by this run
+                state = {
+                    k.removeprefix("policy."): v
+                    for k, v in ckpt["state_dict"].items()
+                    if k.startswith("policy.")
+                }
+                policy.load_state_dict(state)
+                version = int(ckpt.get("asyncrl", {}).get("policy_version", step))
+            dm.sync_weights(named_weights(policy), max(version, 0))
+            engine_lp = torch.tensor(dm.engine.score(probe))
+            with torch.no_grad():
+                ids = torch.tensor([probe])
+                lp, _ = token_logprobs(policy, ids, torch.ones_like(ids), 1.0)
+            diff = float((lp[0] - engine_lp).abs().max())
+            max_diff = max(max_diff, diff)
+            if not diff <= tolerance:
+                raise RuntimeError(f"{path}: engine logprobs differ from the checkpoint's by {diff:.2e}")
+            points.append(
+                {
+                    "step": step,
+                    "policy_version": version,
+                    "train_wall_s": when["wall_s"],
+                    "samples": when["samples"],
+                    **dm.evaluate(),
+                }
+            )
+        eval_s = time.perf_counter() - t0
+    finally:
+        dm.shutdown()
+    summary_path = run_dir / "eval_summary.json"
+    inline = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    result = {
+        "run_dir": str(run_dir),
+        "points": points,
+        "sources": [str(p) for _, p in sources],
+        "weight_check_max_abs_diff": max_diff,
+        "posthoc_eval_s": eval_s,
+        # Same weights, same prompts and seeds as the in-training first / last evaluation:
+        # these should agree up to engine batching effects (a sanity check of the method).
+        "inline_first": {k: v for k, v in inline.get("first", {}).items() if k.startswith("eval/")},
+        "inline_last": {k: v for k, v in inline.get("last", {}).items() if k.startswith("eval/")},
+        "inline_last_step": inline.get("last", {}).get("step"),
+    }
+    (run_dir / "heldout_curve.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    print(json.dumps(evaluate_run(args.run_dir.resolve())))
+
+
+if __name__ == "__main__":
+    main()
