@@ -100,11 +100,42 @@ def _validate_rl(cfg: DictConfig) -> None:
             cfg.trainer.get("accelerator") != "cpu",
             "shm with trainer.accelerator=cpu (nccl broadcasts from the trainer's GPU)",
         )
-    if gpu_ids and cfg.trainer.get("accelerator") in ("gpu", "cuda") and OmegaConf.is_list(devices):
-        overlap = sorted(set(gpu_ids) & set(devices))
+    if gpu_ids and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
+        # An int N means GPUs 0..N-1 to Lightning; -1 / "auto" means all of them.
+        trainer_gpus = (
+            set(devices)
+            if OmegaConf.is_list(devices)
+            else set(range(devices))
+            if _is_count(devices)
+            else None
+        )
+        check(
+            "trainer.devices",
+            devices,
+            trainer_gpus is not None,
+            f"a GPU count or list when engine.gpu_ids={list(gpu_ids)} is set ('auto' / -1 would "
+            "take the engine's GPUs too)",
+        )
+        overlap = sorted(set(gpu_ids) & trainer_gpus)
         check(
             "engine.gpu_ids",
             list(gpu_ids),
             not overlap,
-            f"GPUs disjoint from trainer.devices={list(devices)} (both use {overlap})",
+            f"GPUs disjoint from trainer.devices={devices} (both use {overlap}); with an int N the "
+            "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2]",
         )
+    world = len(devices) if OmegaConf.is_list(devices) else devices if _is_count(devices) else 1
+    world *= int(cfg.trainer.get("num_nodes") or 1)
+    batch = rollout.prompts_per_step * rollout.group_size
+    minibatches = algo.get("minibatches", 1)
+    check(
+        "trainer.devices",
+        devices,
+        world == 1 or batch % (world * minibatches) == 0,
+        f"a rank count that, times algo.minibatches={minibatches}, divides the rollout batch "
+        f"rollout.prompts_per_step * rollout.group_size = {batch} (DDP ranks train equal shards)",
+    )
+
+
+def _is_count(devices: object) -> bool:
+    return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1

@@ -12,6 +12,7 @@ number).
 from __future__ import annotations
 
 import json
+import threading
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,12 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     try:
         from math_verify import parse, verify
 
-        return bool(verify(parse(reference), parse(predicted)))
+        # math_verify's own timeouts use SIGALRM, which only the main thread may set; rewards
+        # are scored on the engine's callback thread (or a reward worker's main thread when
+        # data.reward_timeout_s is set), so elsewhere they run without one.
+        limit = 5 if threading.current_thread() is threading.main_thread() else None
+        gold = parse(reference, parsing_timeout=limit)
+        return bool(verify(gold, parse(predicted, parsing_timeout=limit), timeout_seconds=limit))
     except ImportError:
         try:
             return abs(float(predicted) - float(reference)) < 1e-6

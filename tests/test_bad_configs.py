@@ -32,6 +32,13 @@ BAD = [
         ["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=[0,1]", "engine.gpu_ids=[1]"],
         "engine.gpu_ids",
     ),
+    (  # an int N is GPUs 0..N-1, so 2 trainer GPUs collide with the engine's GPU 1
+        ["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=2", "engine.gpu_ids=[1]"],
+        "engine.gpu_ids",
+    ),
+    (["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=auto"], "trainer.devices"),
+    (["trainer.devices=3"], "trainer.devices"),  # 3 ranks cannot split a batch of P x G evenly
+    (["trainer.devices=2", "algo.minibatches=3"], "trainer.devices"),
     (["engine.weight_transfer=bogus"], "engine.weight_transfer"),
     (["engine.weight_transfer=nccl", "trainer.accelerator=gpu"], "engine.weight_transfer"),  # no gpu_ids
     (["engine=vllm_gpu", "trainer.accelerator=cpu"], "engine.weight_transfer"),  # nccl from a CPU trainer
