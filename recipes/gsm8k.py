@@ -12,8 +12,8 @@ number).
 from __future__ import annotations
 
 import json
-import threading
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
