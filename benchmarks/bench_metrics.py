@@ -97,3 +97,21 @@ def mean_curve(
     grid = [end * i / (points - 1) for i in range(points)] if points > 1 else [end]
     means = [statistics.fmean(interp(ts, vs, g) for ts, vs in curves) for g in grid]
     return grid, means
+
+
+def mean_curve_held(
+    curves: Sequence[tuple[Sequence[float], Sequence[float]]],
+) -> tuple[list[float], list[float]]:
+    """Mean over seeds of the reward of the policy each run has at time t, on the union of
+    the runs' evaluation times. A run that has ended keeps its final reward (its policy still
+    exists), so the mean ends exactly at the mean of the final rewards: the curve whose
+    crossing of ``target_from_finals`` is the mode's time-to-reward with one number per mode."""
+    curves = [(list(ts), list(vs)) for ts, vs in curves if len(ts)]
+    if not curves:
+        return [], []
+    grid = sorted({float(t) for ts, _ in curves for t in ts})
+
+    def at(ts: list[float], vs: list[float], t: float) -> float:
+        return float(vs[-1]) if t >= ts[-1] else interp(ts, vs, t)
+
+    return grid, [statistics.fmean(at(ts, vs, t) for ts, vs in curves) for t in grid]

@@ -70,3 +70,16 @@ def test_mean_curve_on_common_grid():
     assert grid == [0.0, 5.0, 10.0]
     assert means == pytest.approx([0.5, 0.75, 1.0])
     assert interp(*a, 25.0) == 2.0 and interp(*a, -1.0) == 0.0
+
+
+def test_mean_curve_held_keeps_ended_runs_at_their_final_reward():
+    from benchmarks.bench_metrics import mean_curve_held, target_from_finals, time_to_reward
+
+    a = ([0.0, 10.0], [0.0, 1.0])  # ends at t=10 with 1.0
+    b = ([0.0, 20.0], [0.0, 0.5])  # ends at t=20 with 0.5
+    grid, mean = mean_curve_held([a, b])
+    assert grid == [0.0, 10.0, 20.0]
+    assert mean == [0.0, (1.0 + 0.25) / 2, (1.0 + 0.5) / 2]
+    # the mean of the final rewards is reached, at the end of the longest run at the latest
+    target = target_from_finals([1.0, 0.5])
+    assert time_to_reward(grid, mean, target) == 20.0
