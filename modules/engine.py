@@ -178,6 +178,9 @@ class VLLMEngine:
             from modules.gpu_weight_transfer import NCCLWeightTransfer  # GPU-only path: import late
 
             self._transfer = NCCLWeightTransfer(engine_ranks=len(self.gpu_ids or ()), dtype=self.dtype)
+        import psutil
+
+        children_before = {p.pid for p in psutil.Process().children(recursive=True)}
         self._thread = threading.Thread(target=self._thread_main, name="asyncrl-engine", daemon=True)
         self._thread.start()
         try:
@@ -191,8 +194,19 @@ class VLLMEngine:
             self.shutdown()
             raise EngineError(f"engine failed to start: {err!r}") from err
         self.started_at = time.time()
+        self._start_reaper(children_before)
         self._pin_trainer()
         return self
+
+    def _start_reaper(self, before: set[int]) -> None:
+        """Watch the processes this start created (engine core, workers): if the trainer dies
+        without shutting them down, ``modules.reaper`` kills them."""
+        import psutil
+
+        from modules import reaper
+
+        new = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self._reaper = reaper.launch(new) if new else None
 
     def _pin_trainer(self) -> None:
         """Keep the trainer process off the engine's cores (threads created later inherit)."""
@@ -278,6 +292,10 @@ class VLLMEngine:
             llm.shutdown()
         if self._transfer is not None:
             self._transfer.close()
+        reaper, self._reaper = getattr(self, "_reaper", None), None
+        if reaper is not None:
+            reaper.stdin.close()  # the watcher sees EOF; the engine is already down
+            reaper.wait(timeout=30)
             self._transfer = None
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)

@@ -26,6 +26,16 @@ class FailingRewardTask(RemainderTask):
         raise ValueError("reward server unavailable")
 
 
+class HangingRewardTask(RemainderTask):
+    """Reward function that never returns, to test ``data.reward_timeout_s`` end to end."""
+
+    def reward(self, row: dict, response: str) -> float:
+        import time
+
+        while True:
+            time.sleep(60)
+
+
 class ScriptedRewardTask:
     """Reward-runner fixture: rows for the simulated engine (prompt ``"<length>|"``, as
     ``benchmarks.sim_engine.SimTask``) whose reward misbehaves on chosen prompt ids.

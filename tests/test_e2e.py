@@ -157,6 +157,22 @@ def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
     assert not wait_gone(proc.pid), "engine processes outlived the failed run"
 
 
+def test_hanging_reward_is_killed_after_its_timeout(tmp_path, models):
+    """data.reward_timeout_s: the hung call's worker process is killed, the run stops with
+    the timeout named (reward_errors=fail), and no engine or reward process is left."""
+    proc = start(
+        tmp_path,
+        models["tied"],
+        "task._target_=tests.helpers.HangingRewardTask",
+        "data.eval_size=0",
+        "data.reward_timeout_s=2",
+    )
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "RewardError" in err and "reward_timeout_s" in err
+    assert not wait_gone(proc.pid), "engine or reward processes outlived the failed run"
+
+
 def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
     proc = start(
         tmp_path, models["tied"], "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
@@ -304,3 +320,64 @@ def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path,
     assert any((before[k] - w0[k]).abs().max() > 0 for k in before)
     engine = json.loads((tmp_path / "engine_diff.json").read_text())
     assert engine["engine_version"] == steps and engine["engine_max_abs_diff"] < 1e-4
+
+
+def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
+    """vLLM's engine core does not notice its parent's death; modules/reaper.py kills it when
+    the trainer is SIGKILLed on its own (not its whole process group)."""
+    proc = start(
+        tmp_path,
+        models["tied"],
+        "task._target_=tests.helpers.DigitShareTask",
+        "trainer.max_steps=1000",
+        "data.eval_size=0",
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "trained_prompts.jsonl").exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    others = [p for p in session_processes(proc.pid) if p.pid != proc.pid]
+    assert any("EngineCore" in " ".join(p.cmdline()) or "VLLM" in p.name() for p in others)
+    os.kill(proc.pid, signal.SIGKILL)  # the trainer only: no chance to shut anything down
+    proc.wait()
+    assert not wait_gone(proc.pid), "engine processes outlived the trainer"
+
+
+def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, models):
+    """``python train.py -m`` runs its jobs one after another in one process: after each job
+    the engine is gone (0 children), the thread count is back to where it was, and the
+    resident memory does not keep growing from job to job."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            f"hydra.sweep.dir={tmp_path}",
+            "recipe=sync_grpo",
+            *SHRINK,
+            f"model.path={models['tied']}",
+            "task._target_=tests.helpers.DigitShareTask",
+            "trainer.max_steps=2",
+            "data.eval_size=0",
+            "seed=0,1,2,3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    footprints = []
+    for job in range(4):
+        line = next(
+            x
+            for x in (tmp_path / str(job) / "train.log").read_text().splitlines()
+            if "process after job" in x
+        )
+        footprints.append(dict(kv.split("=") for kv in line.split("process after job: ")[1].split()))
+    assert [int(f["children"]) for f in footprints] == [0, 0, 0, 0]
+    threads = [int(f["threads"]) for f in footprints]
+    assert threads == [threads[0]] * 4, threads
+    rss = [int(f["rss_mb"]) for f in footprints]
+    # the first job pays one-off imports and allocator growth; after it, no trend
+    assert rss[3] - rss[1] < 150, rss
