@@ -62,6 +62,7 @@ def train(cfg: DictConfig) -> float | None:
             teardown()  # engine down even if fit raised; a no-op when already down
     metric = trainer.callback_metrics.get(cfg.optimized_metric)
     log.info("%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir)
+    release_freed_memory()  # a multirun's next job starts from a trimmed heap
     log.info("process after job: %s", process_footprint())  # multirun leak check
     return None if metric is None else float(metric)
 
@@ -73,6 +74,19 @@ def stop_other_ranks(trainer: L.Trainer) -> None:
     launcher = getattr(trainer.strategy, "launcher", None)
     if trainer.global_rank == 0 and isinstance(launcher, _SubprocessScriptLauncher):
         launcher.kill(signal.SIGKILL)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so
+    RSS after a job measures what is still referenced, not allocator slack."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc (e.g. macOS): nothing to trim
+        pass
 
 
 def process_footprint() -> str:

@@ -182,8 +182,10 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.5)
+    t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     proc.communicate(timeout=120)
+    print(f"FAULT-TIMING Ctrl-C -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
     assert proc.returncode == 130
     assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
     assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"
@@ -202,8 +204,10 @@ def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.5)
+    t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the main process
     proc.communicate(timeout=120)
+    print(f"FAULT-TIMING SIGTERM -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
     assert proc.returncode == 143
     assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
     assert not wait_gone(proc.pid), "engine processes outlived SIGTERM"
@@ -338,9 +342,11 @@ def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
         time.sleep(0.2)
     others = [p for p in session_processes(proc.pid) if p.pid != proc.pid]
     assert any("EngineCore" in " ".join(p.cmdline()) or "VLLM" in p.name() for p in others)
+    t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)  # the trainer only: no chance to shut anything down
     proc.wait()
     assert not wait_gone(proc.pid), "engine processes outlived the trainer"
+    print(f"FAULT-TIMING trainer SIGKILL -> engine processes gone in {time.monotonic() - t0:.2f} s")
 
 
 def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, models):
@@ -379,5 +385,5 @@ def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, mo
     threads = [int(f["threads"]) for f in footprints]
     assert threads == [threads[0]] * 4, threads
     rss = [int(f["rss_mb"]) for f in footprints]
-    # the first job pays one-off imports and allocator growth; after it, no trend
-    assert rss[3] - rss[1] < 150, rss
+    # the first job pays one-off imports; after it (heap trimmed after each job) no trend
+    assert rss[3] - rss[1] < 50, rss

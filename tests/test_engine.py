@@ -137,6 +137,7 @@ def test_engine_death_raises_within_seconds(untied_engine):
     with pytest.raises(Exception) as info:
         eng.wait_result(fut, timeout=30)
     elapsed = time.monotonic() - t0
+    print(f"FAULT-TIMING engine core SIGKILL -> EngineError in {elapsed:.2f} s")
     assert elapsed < 15, f"failure took {elapsed:.1f} s to surface"
     assert isinstance(info.value, EngineError), repr(info.value)
     assert "died" in str(info.value)
