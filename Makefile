@@ -37,7 +37,7 @@ report:
 	$(BIN)/python -m benchmarks.report $(RUN)
 
 test:
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast:
 	$(BIN)/python -m pytest -q -m "not engine and not e2e"
