@@ -91,6 +91,10 @@ class WeightSync(L.Callback):
         return float((lp[0].cpu() - engine_lp).abs().max())
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.last_probe is None and pl_module.tokenizer is not None:
+            # No trained sequence yet: probe a fixed text, so the first sync (the checkpoint's
+            # weights, after a resume) is verified too.
+            self.last_probe = list(pl_module.tokenizer("12%5=10,5,0.")["input_ids"])
         self._sync(trainer, pl_module, pl_module.policy_version)
         self.synced_step = trainer.global_step
 

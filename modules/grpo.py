@@ -126,7 +126,7 @@ class GRPOModule(L.LightningModule):
         """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
         alone would leave the others waiting forever in the gradient all-reduce."""
         finite = torch.tensor(float(bool(torch.isfinite(loss)) and bool(torch.isfinite(logp).all())))
-        if self.trainer.world_size > 1:
+        if self._trainer is not None and self._trainer.world_size > 1:
             import torch.distributed as dist
 
             finite = finite.to(self.device)
@@ -182,7 +182,7 @@ class GRPOModule(L.LightningModule):
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
-        if self.trainer.world_size > 1:
+        if self._trainer is not None and self._trainer.world_size > 1:
             log("perf/rank_weight_max_diff", self.last_rank_weight_diff)
         dm = getattr(self._trainer, "datamodule", None)
         engine = getattr(dm, "engine", None)

@@ -272,11 +272,16 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     step = state["global_step"]
     assert step >= 2 and state["asyncrl"]["policy_version"] == step
+    rng = state["asyncrl"]["rng"]  # RNG states and the minibatch-shuffle state travel too
+    assert {"python", "numpy", "torch"} <= rng.keys()
+    assert len(state["RolloutDataModule"]["shuffle_rng"][1]) == 625  # Mersenne Twister state
     before = trained_prompts(first)
     second = tmp_path / "second"
     rows = train(second, *common, f"ckpt_path={ckpt}", f"trainer.max_steps={step + 2}")
     versions = [int(float(r["rollout/policy_version"])) for r in rows if r.get("train/loss")]
     assert versions == [step, step + 1]  # the version continues from the checkpoint
+    # the engine started from the checkpoint's weights: verified at the first sync
+    assert float(rows[0]["perf/weight_sync_max_abs_diff"]) < 1e-4
     resumed = trained_prompts(second)
     assert [b["version"] for b in resumed] == [step, step + 1]
     # the killed run's batches after the checkpoint are exactly what the resumed run trains
@@ -284,6 +289,12 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
     assert [b["prompt_ids"] for b in resumed][: len(after_ckpt)] == after_ckpt
     seen = {p for b in before if b["version"] < step for p in b["prompt_ids"]}
     assert not seen & {p for b in resumed for p in b["prompt_ids"]}  # nothing trained twice
+    print(
+        f"RESUME-ACCOUNTING checkpoint at step {step}; killed run trained {len(before)} batches "
+        f"({sum(len(b['prompt_ids']) for b in before)} prompt ids); resumed run: "
+        f"{[len(b['prompt_ids']) for b in resumed]} prompts per batch, identical to the killed "
+        f"run's batches after the checkpoint for {len(after_ckpt)} of them, 0 repeats"
+    )
 
 
 def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path, models):

@@ -28,5 +28,5 @@ def test_prompt_and_reward_on_bundled_examples():
 
 def test_gsm8k_recipe_composes_for_gpu():
     cfg = compose(["recipe=gsm8k_grpo"])
-    assert cfg.engine.gpu_ids == [0] and cfg.trainer.accelerator == "gpu"
+    assert cfg.engine.gpu_ids == [1] and cfg.trainer.accelerator == "gpu"  # trainer on GPU 0
     assert cfg.task._target_ == "recipes.gsm8k.GSM8KTask"
