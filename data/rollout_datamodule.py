@@ -302,7 +302,9 @@ class RolloutDataModule(L.LightningDataModule):
             for f in done:
                 comp, row = f.result(), futs[f]
                 text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                rewards.setdefault(row.get("level", 0), []).append(float(self.task.reward(row, text)))
+                rewards.setdefault(row.get("level", 0), []).append(
+                    self.rollout.score(row, text)
+                )  # timeout + error policy
                 lengths.append(len(comp.token_ids))
         allr = [r for rs in rewards.values() for r in rs]
         return {

@@ -67,7 +67,7 @@ class WeightSync(L.Callback):
         """DDP: every rank must hold the weights rank 0 sends to the engine. Compares a
         float64 sum per parameter tensor across ranks (one small all-gather per sync)."""
         params = [p.detach() for p in pl_module.policy.parameters()]
-        fingerprint = torch.stack([p.double().sum() for p in params])
+        fingerprint = torch.stack([p.sum(dtype=torch.float64) for p in params])  # no fp64 copies
         gathered = pl_module.all_gather(fingerprint)  # [world, n_params]
         diff = float((gathered - gathered[0]).abs().max())
         pl_module.last_rank_weight_diff = diff

@@ -36,4 +36,6 @@ def set_rng_states(states: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(states["torch"].cpu())
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # one state per GPU visible when saved; restore those that are visible now
+        for i, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)

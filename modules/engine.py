@@ -205,7 +205,15 @@ class VLLMEngine:
 
         from modules import reaper
 
-        new = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        new = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                # multiprocessing's resource tracker may start with the engine (vLLM spawns)
+                # but serves this whole process: it must outlive the engine.
+                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                    new.append(p.pid)
+            except psutil.Error:
+                continue
         self._reaper = reaper.launch(new) if new else None
 
     def _pin_trainer(self) -> None:
@@ -292,11 +300,11 @@ class VLLMEngine:
             llm.shutdown()
         if self._transfer is not None:
             self._transfer.close()
+            self._transfer = None
         reaper, self._reaper = getattr(self, "_reaper", None), None
         if reaper is not None:
             reaper.stdin.close()  # the watcher sees EOF; the engine is already down
             reaper.wait(timeout=30)
-            self._transfer = None
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)

@@ -124,10 +124,25 @@ def _validate_rl(cfg: DictConfig) -> None:
             f"GPUs disjoint from trainer.devices={devices} (both use {overlap}); with an int N the "
             "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2]",
         )
+    # The rules below combine batch-shape fields; a bad value of one of those is reported by
+    # its constructor (naming that field), so here they only run when each field is sane.
+    sizes = (rollout.prompts_per_step, rollout.group_size, algo.get("minibatches", 1), algo.get("epochs", 1))
+    if not all(_is_count(v) for v in sizes):
+        return
+    prompts, group, minibatches, epochs = sizes
+    batch = prompts * group
+    if minibatches > batch:
+        return  # the datamodule says: algo.minibatches must be <= P x G
+    ckpt_every = (cfg.get("callbacks") or {}).get("checkpoint", {}).get("every_n_train_steps")
+    check(
+        "callbacks.checkpoint.every_n_train_steps",
+        ckpt_every,
+        not ckpt_every or ckpt_every % (minibatches * epochs) == 0,
+        f"a multiple of algo.minibatches * algo.epochs = {minibatches * epochs} (a checkpoint inside "
+        "a rollout batch would record its prompts as consumed before all its minibatches trained)",
+    )
     world = len(devices) if OmegaConf.is_list(devices) else devices if _is_count(devices) else 1
     world *= int(cfg.trainer.get("num_nodes") or 1)
-    batch = rollout.prompts_per_step * rollout.group_size
-    minibatches = algo.get("minibatches", 1)
     check(
         "trainer.devices",
         devices,

@@ -37,8 +37,12 @@ BAD = [
         "engine.gpu_ids",
     ),
     (["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=auto"], "trainer.devices"),
-    (["trainer.devices=3"], "trainer.devices"),  # 3 ranks cannot split a batch of P x G evenly
-    (["trainer.devices=2", "algo.minibatches=3"], "trainer.devices"),
+    (["trainer.devices=3"], "trainer.devices"),
+    (
+        ["algo.minibatches=8", "callbacks.checkpoint.every_n_train_steps=20"],
+        "callbacks.checkpoint.every_n_train_steps",
+    ),  # 3 ranks cannot split a batch of P x G evenly
+    (["trainer.devices=2", "algo.minibatches=5"], "trainer.devices"),  # 128 % (2 x 5) != 0
     (["engine.weight_transfer=bogus"], "engine.weight_transfer"),
     (["engine.weight_transfer=nccl", "trainer.accelerator=gpu"], "engine.weight_transfer"),  # no gpu_ids
     (["engine=vllm_gpu", "trainer.accelerator=cpu"], "engine.weight_transfer"),  # nccl from a CPU trainer
