@@ -52,7 +52,10 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     except SystemExit:  # Lightning turns Ctrl-C / SIGTERM into an exit; say which (130 / 143)
-        raise SystemExit(getattr(trainer, "asyncrl_exit_code", 1)) from None
+        code = getattr(trainer, "asyncrl_exit_code", 1)
+        # DDP: the other ranks stop cleanly with rank 0, which reports the code (a nonzero
+        # exit of theirs would make Lightning's observer SIGKILL rank 0 mid-shutdown)
+        raise SystemExit(code if trainer.global_rank == 0 else 0) from None
     except BaseException:
         stop_other_ranks(trainer)  # DDP: they would wait in a collective until its timeout
         raise

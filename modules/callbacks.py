@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -171,6 +173,30 @@ class CheckpointOnInterrupt(L.Callback):
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # DDP: Lightning's SIGTERM handler broadcasts from inside the signal handler, which
+        # collides with a collective the other ranks are blocked in (here: the scatter of the
+        # next rollout batch), so a rank crashes and the run dies without a checkpoint. Only
+        # record the signal here; on_train_batch_end shares rank 0's record with every rank,
+        # and then all ranks stop at the same step through on_exception below.
+        self._sigterm = False
+        if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+
+            def note_sigterm(signum: int, frame: object) -> None:
+                self._sigterm = True
+
+            signal.signal(signal.SIGTERM, note_sigterm)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.world_size == 1:
+            return  # Lightning's own handler stops a single process
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(getattr(self, "_sigterm", False))], device=pl_module.device)
+        dist.broadcast(flag, src=0)
+        if flag.item():
+            trainer._signal_connector.received_sigterm = True  # Lightning raises after this hook
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException

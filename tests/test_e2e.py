@@ -213,6 +213,33 @@ def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
     assert not wait_gone(proc.pid), "engine processes outlived SIGTERM"
 
 
+def test_sigterm_under_ddp_stops_all_ranks_with_a_checkpoint(tmp_path, models):
+    """trainer.devices=2: SIGTERM to rank 0 while the other rank waits in a collective; all
+    ranks stop at the same step, rank 0 writes interrupted.ckpt, exit 143, nothing left."""
+    proc = start(
+        tmp_path,
+        models["tied"],
+        "task._target_=tests.helpers.DigitShareTask",
+        "trainer.max_steps=1000",
+        "data.eval_size=0",
+        "trainer.devices=2",
+    )
+    metrics = tmp_path / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    print(f"FAULT-TIMING DDP SIGTERM -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
+    assert proc.returncode == 143, err[-3000:]
+    assert "Connection closed by peer" not in err  # no rank crashed on the way out
+    state = torch.load(tmp_path / "checkpoints" / "interrupted.ckpt", map_location="cpu", weights_only=False)
+    assert state["asyncrl"]["policy_version"] >= 1
+    assert not wait_gone(proc.pid), "processes outlived SIGTERM under DDP"
+
+
 @pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
 def test_async_recipes_end_to_end(tmp_path, models, recipe):
     steps = 4
