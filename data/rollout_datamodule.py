@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from modules.checkpoint_rng import python_state, python_state_tuple
 from modules.config_errors import check
 from modules.engine import SamplingConfig, VLLMEngine
 from modules.experience import Experience, collate
@@ -325,7 +326,7 @@ class RolloutDataModule(L.LightningDataModule):
             return {
                 "prompts": prompts,
                 "rollout": self.rollout.state_dict(),
-                "shuffle_rng": _jsonable(self.shuffle_rng.getstate()),
+                "shuffle_rng": python_state(self.shuffle_rng.getstate()),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -339,8 +340,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.prompts.load_state_dict(state["prompts"])
         self.rollout.load_state_dict(state["rollout"])
         if state.get("shuffle_rng") is not None:
-            version, internal, gauss = state["shuffle_rng"]
-            self.shuffle_rng.setstate((version, tuple(internal), gauss))
+            self.shuffle_rng.setstate(python_state_tuple(state["shuffle_rng"]))
 
 
 class _RolloutStream(IterableDataset):
@@ -356,12 +356,6 @@ def _world(trainer: Any) -> tuple[int, int]:
     if trainer is None:
         return 1, 0
     return int(trainer.world_size), int(trainer.global_rank)
-
-
-def _jsonable(state: tuple) -> list:
-    """``random.Random.getstate()`` as nested lists (checkpoints load with weights_only)."""
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
 
 
 def rollout_stats(exps: list[Experience]) -> dict[str, float]:

@@ -14,12 +14,23 @@ import numpy as np
 import torch
 
 
+def python_state(state: tuple) -> list:
+    """``random.getstate()`` (or ``Random.getstate()``) as nested lists."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def python_state_tuple(state: list) -> tuple:
+    """The inverse of :func:`python_state`, for ``setstate``."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
 def rng_states() -> dict[str, Any]:
     """Snapshot of the process's global random number generators."""
-    version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     states: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
+        "python": python_state(random.getstate()),
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
@@ -30,8 +41,7 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore a snapshot taken by :func:`rng_states`."""
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(python_state_tuple(states["python"]))
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(states["torch"].cpu())

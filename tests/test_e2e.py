@@ -147,6 +147,15 @@ def start(tmp_path: Path, model: Path, *overrides: str) -> subprocess.Popen:
     )
 
 
+def wait_for_training(proc: subprocess.Popen, run_dir: Path, rows: int = 2) -> None:
+    """Block until the run has logged ``rows`` training rows (it must not exit meanwhile)."""
+    metrics = run_dir / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > rows):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+
+
 def test_reward_failure_stops_the_run_cleanly(tmp_path, models):
     proc = start(
         tmp_path, models["tied"], "task._target_=tests.helpers.FailingRewardTask", "data.eval_size=0"
@@ -177,11 +186,7 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
     proc = start(
         tmp_path, models["tied"], "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
     )
-    metrics = tmp_path / "metrics.csv"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.5)
+    wait_for_training(proc, tmp_path)
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     proc.communicate(timeout=120)
@@ -199,11 +204,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
         "trainer.max_steps=1000",
         "data.eval_size=0",
     )
-    metrics = tmp_path / "metrics.csv"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.5)
+    wait_for_training(proc, tmp_path)
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the main process
     proc.communicate(timeout=120)
@@ -224,11 +225,7 @@ def test_sigterm_under_ddp_stops_all_ranks_with_a_checkpoint(tmp_path, models):
         "data.eval_size=0",
         "trainer.devices=2",
     )
-    metrics = tmp_path / "metrics.csv"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.5)
+    wait_for_training(proc, tmp_path)
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
