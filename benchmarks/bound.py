@@ -16,10 +16,11 @@ and the two halves of a pipeline are measured one after the other, never concurr
     completed responses between the end of a warm-up and the end of the measured window.
     Then the weight-sync time (trainer weights -> engine, nothing in flight) is timed.
 (b) training only: with the engine shut down, this process pinned like the trainer
-    (``VLLMEngine._pin_trainer``) and ``torch_threads`` threads, the recipe's GRPO module runs
-    Lightning training steps (forward, backward, clipping, optimizer; collation and
-    ``old_logprobs`` where the loss needs them) on the experiences generated in (a), split into
-    rollout batches of P x G and minibatches x epochs steps like ``RolloutDataModule``.
+    (``engine.pinning``) and ``torch_threads`` threads, the recipe's GRPO module runs
+    Lightning training steps (forward, backward, clipping, optimizer; collation and the
+    pi_old / recompute passes where the loss needs them) on the experiences generated in (a),
+    split into rollout batches of P x G and minibatches x epochs steps by the datamodule's own
+    ``data.rollout.batches.minibatches``.
     Samples/s counts trained samples after the warm-up rollout batches. One trainer process
     (``trainer.devices=1``); the experiences are the issued mix, in issue order, so a mode that
     trains a shorter mix (e.g. dropping stale long groups) has cheaper steps than this.
@@ -44,29 +45,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def compose_config(overrides: list[str], output_dir: str | None = None) -> DictConfig:
-    """``conf/train.yaml`` composed with ``overrides`` as train.py would (no Hydra run dir)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    out = output_dir or "/tmp/asyncrl-bench"  # a string only; nothing here writes to it
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[f"paths.root_dir={ROOT}", f"paths.output_dir={out}", *overrides],
-        )
-    GlobalHydra.instance().clear()
-    return cfg
+from modules.config import compose
 
 
 def concurrency_groups(rollout: Any) -> int:
     """Groups the recipe keeps generating at once: streaming / partial ``max_inflight``
     (partial: ceil(over_provision x P)), sync ``prompts_per_step``."""
-    return int(getattr(rollout, "max_inflight", None) or rollout.prompts_per_step)
+    from data.rollout.streaming import StreamingRollout
+
+    return rollout.max_inflight if isinstance(rollout, StreamingRollout) else rollout.prompts_per_step
 
 
 def bound_key(cfg: DictConfig) -> str:
@@ -98,8 +85,9 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
     from hydra.utils import instantiate
     from transformers import AutoTokenizer
 
+    from data.rollout.controller import RolloutContext
+    from data.rollout.prompts import PromptStream
     from modules.policy import load_policy, named_weights
-    from modules.rollout.base import PromptStream, RolloutContext, wait_any
 
     task = instantiate(cfg.task)
     controller = instantiate(cfg.rollout)  # only its request / reward / advantage helpers run
@@ -130,7 +118,7 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
 
         top_up()
         while inflight:
-            done = wait_any(engine, set(inflight))
+            done = engine.wait_any(set(inflight))
             for fut in done:
                 p = inflight.pop(fut)
                 exp = controller.to_experience(fut.result(), p)
@@ -149,9 +137,7 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
         weights = named_weights(policy)
         sync_s = [engine.update_weights(weights, engine.version) for _ in range(sync_trials)]
     finally:
-        close = getattr(controller, "close", None)  # reward workers, if any
-        if close is not None:
-            close()
+        controller.close()  # reward workers, if any
         engine.shutdown()
     groups.sort(key=lambda grp: grp[0].group_id)  # issue order: no completion-time bias
     return {
@@ -196,53 +182,28 @@ def measure_training(
     from torch.utils.data import DataLoader, IterableDataset
     from transformers import AutoTokenizer
 
-    from data.rollout_datamodule import rollout_stats
-    from modules.experience import collate
+    from data.rollout.batches import minibatches, rollout_stats
 
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
     engine = instantiate(cfg.engine)  # never started: used only to pin this process like training
-    engine._pin_trainer()
-    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     p, mb, ep = int(cfg.rollout.prompts_per_step), int(cfg.algo.minibatches), int(cfg.algo.epochs)
     pad_id = AutoTokenizer.from_pretrained(engine.model_path).pad_token_id
     rollout_batches = list(replay_batches(groups, p, warmup_batches + batches))
     steps_per_batch = mb * ep
 
     class Replay(L.LightningDataModule):
-        """Minibatches as RolloutDataModule._batches forms them, from recorded experiences."""
+        """Rollout batches as RolloutDataModule streams them, from recorded experiences."""
 
         def train_dataloader(self) -> DataLoader:
-            return DataLoader(_Stream(self), batch_size=None, num_workers=0)
-
-        def batches(self) -> Iterator[dict[str, Any]]:
-            rng = random.Random(cfg.seed)
-            module = self.trainer.lightning_module
-            for rb in rollout_batches:
-                exps = [e for grp in rb for e in grp]
-                stats = rollout_stats(exps)
-                out = []
-                for epoch in range(ep):
-                    order = list(range(len(exps)))
-                    rng.shuffle(order)
-                    for k in range(mb):
-                        chunk = order[k::mb]
-                        batch = collate([exps[i] for i in chunk], pad_id)
-                        batch["sync_after"] = False
-                        batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
-                        batch["num_samples"] = len(chunk) if epoch == 0 else 0
-                        out.append(batch)
-                if getattr(module, "needs_old_logprobs", False):
-                    for batch in out:
-                        batch["old_logprobs"] = module.old_logprobs(batch)
-                yield from out
+            return DataLoader(_Stream(), batch_size=None, num_workers=0, collate_fn=lambda item: item)
 
     class _Stream(IterableDataset):
-        def __init__(self, dm: Replay) -> None:
-            self.dm = dm
-
-        def __iter__(self) -> Iterator[dict[str, Any]]:
-            return self.dm.batches()
+        def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+            rng = random.Random(cfg.seed)
+            for rb in rollout_batches:
+                exps = [e for grp in rb for e in grp]
+                yield minibatches(exps, mb, ep, rng, pad_id, rollout_stats(exps), sync_after=False)
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
@@ -251,11 +212,12 @@ def measure_training(
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
             self.ends.append(time.perf_counter())
-            self.samples.append(int(pl_module._current_batch["num_samples"]))
+            self.samples.append(int(pl_module.current_batch["num_samples"]))
 
     clock = StepClock()
     module = instantiate(cfg.module)
-    with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp, engine.pinning:
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         trainer = instantiate(
             cfg.trainer,
             max_steps=len(rollout_batches) * steps_per_batch,
@@ -267,12 +229,7 @@ def measure_training(
             enable_model_summary=False,
             default_root_dir=tmp,
         )
-        try:
-            trainer.fit(module, datamodule=Replay())
-        finally:
-            saved = getattr(engine, "_saved_affinity", None)
-            if saved:
-                os.sched_setaffinity(0, saved)
+        trainer.fit(module, datamodule=Replay())
     w = warmup_batches * steps_per_batch  # >= 1: the timed window starts at the end of step w
     seconds = clock.ends[-1] - clock.ends[w - 1]
     n = sum(clock.samples[w:])
@@ -306,7 +263,7 @@ def measure(
         raise ValueError("warm-ups and measured counts must be >= 1")
     import torch
 
-    cfg = compose_config(overrides)
+    cfg = compose(overrides, output_dir="/tmp/asyncrl-bench")
     torch.set_num_threads(cfg.torch_threads)  # as train.py, before anything is built
     gen = measure_generation(cfg, gen_warmup, gen_samples)
     train = measure_training(cfg, gen["groups"], train_warmup_batches, train_batches)

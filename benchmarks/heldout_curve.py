@@ -78,7 +78,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
-    from benchmarks.bound import compose_config
+    from modules.config import compose as compose_config
     from modules.policy import load_policy, named_weights, token_logprobs
 
     cfg = compose_config(run_overrides(run_dir), output_dir=str(run_dir))
@@ -120,7 +120,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
                 policy.load_state_dict(state)
                 version = int(ckpt.get("asyncrl", {}).get("policy_version", step))
             dm.sync_weights(named_weights(policy), max(version, 0))
-            engine_lp = torch.tensor(dm.engine.score(probe))
+            engine_lp = torch.tensor(dm.engine_logprobs(probe))
             with torch.no_grad():
                 ids = torch.tensor([probe])
                 lp, _ = token_logprobs(policy, ids, torch.ones_like(ids), 1.0)
@@ -139,7 +139,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
             )
         eval_s = time.perf_counter() - t0
     finally:
-        dm.shutdown()
+        dm.teardown("fit")
     summary_path = run_dir / "eval_summary.json"
     inline = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     result = {

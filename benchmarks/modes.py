@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument(
         "--recipes",
         nargs="+",
-        default=["sync_grpo", "partial_grpo", "async_grpo", "async_grpo:rollout.stratify=true"],
+        default=["sync_grpo", "partial_grpo", "async_grpo", "async_grpo:rollout/selection=stratified"],
         help="recipe names; 'name:override,override' adds overrides to one variant",
     )
     parser.add_argument(
@@ -144,7 +144,8 @@ def main() -> None:
 
 def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, str], dict[str, list[dict]]]:
     """The per-run and bound records a previous ``benchmarks.modes`` printed to stderr."""
-    from benchmarks.bound import bound_key, compose_config
+    from benchmarks.bound import bound_key
+    from modules.config import compose as compose_config
 
     bounds, runs = {}, {spec: [] for spec in specs}
     for line in path.read_text().splitlines():
@@ -166,14 +167,14 @@ def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, s
 
 
 def split_spec(spec: str) -> tuple[str, list[str]]:
-    """'async_grpo:rollout.stratify=true,x=1' -> ('async_grpo', ['rollout.stratify=true', 'x=1'])."""
+    """'async_grpo:rollout/selection=stratified,x=1' -> ('async_grpo', ['rollout/selection=stratified', 'x=1'])."""
     recipe, _, extra = spec.partition(":")
     return recipe, list(filter(None, extra.split(",")))
 
 
 def steps_per_version(overrides: list[str]) -> int:
     """Optimizer steps per policy version (weight sync) of a composed config."""
-    from benchmarks.bound import compose_config
+    from modules.config import compose as compose_config
 
     cfg = compose_config(overrides)
     return int(cfg.algo.minibatches) * int(cfg.algo.epochs) * int(cfg.data.sync_every)
@@ -184,7 +185,8 @@ def measure_bounds(
 ) -> tuple[dict[str, dict], dict[str, str]]:
     """Run ``benchmarks.bound`` once per distinct bound-relevant config (named by the first
     spec that has it); returns the measurements and which one each spec uses."""
-    from benchmarks.bound import bound_key, compose_config
+    from benchmarks.bound import bound_key
+    from modules.config import compose as compose_config
 
     measured: dict[str, dict] = {}
     label_of_key: dict[str, str] = {}

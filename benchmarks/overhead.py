@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import time
 
-from benchmarks.sim_engine import CharTokenizer, SimEngine, SimTask
+from data.rollout.controller import RolloutContext
+from data.rollout.experience import collate
+from data.rollout.partial import PartialRollout
+from data.rollout.prompts import PromptStream
+from data.rollout.streaming import StreamingRollout
+from data.rollout.sync import SyncRollout
 from modules.advantages import GroupAdvantage
 from modules.engine import SamplingConfig
-from modules.experience import collate
-from modules.rollout.base import PromptStream, RolloutContext
-from modules.rollout.streaming import PartialRollout, StreamingRollout
-from modules.rollout.sync import SyncRollout
+from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 
 
 def measure(make, batches: int = 200) -> float:

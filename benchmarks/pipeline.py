@@ -6,7 +6,7 @@
     python -m benchmarks.pipeline rollout=streaming rollout.max_staleness=2 sim.step_time=10
     python -m benchmarks.pipeline -m rollout=sync,partial,streaming  # compare the modes
 
-The real rollout controllers (``modules/rollout``: group assembler, buffer, staleness
+The real rollout controllers (``data/rollout``: group assembler, buffer, staleness
 policies, carry-over) are driven by ``SimEngine`` (each request takes its length in time
 units; ``sim.concurrency`` requests at once) and a simulated trainer (``sim.step_time`` per
 update), on a virtual clock, so a run takes seconds. The default workload is the seeds':
@@ -29,9 +29,10 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from benchmarks.sim_engine import CharTokenizer, SimEngine, SimTask
+from data.rollout.controller import RolloutContext
+from data.rollout.prompts import PromptStream
 from modules.advantages import GroupAdvantage
-from modules.rollout.base import PromptStream, RolloutContext
+from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 
 
 def expected_max(latencies: list[tuple[float, float]], n: int) -> float:
@@ -88,10 +89,10 @@ def simulate(
         staleness.update(min(e.staleness, 5) for e in batch)
         engine.advance_to(engine.now + step_time)  # the update; generation goes on meanwhile
         if (step + 1) % sync_every == 0:
-            engine.update_weights({}, engine.version + 1, inflight=getattr(controller, "inflight", "keep"))
+            engine.update_weights({}, engine.version + 1, inflight=controller.inflight)
     total = engine.now
     n_stale = sum(staleness.values())
-    snap = controller.snapshot() if hasattr(controller, "snapshot") else {}
+    snap = controller.snapshot()
     return {
         "time": total,
         "trained_samples": trained,

@@ -1,4 +1,6 @@
-"""Group-relative advantages (GRPO), computed once a group's G rewards are all in.
+"""Advantage estimators, selected with ``algo/advantage=<name>`` (``conf/algo/advantage/``).
+
+``group`` (GRPO), computed once a group's G rewards are all in:
 
     A_i = (r_i - mean(r)) / (std(r) + eps)       GRPO (scale_by_std=True)
     A_i =  r_i - mean(r)                         Dr.GRPO (scale_by_std=False)
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.config_errors import check
+from modules.config_errors import check, check_choice
 
 
 def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -27,7 +29,10 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
 
 
 class GroupAdvantage:
-    """Config-selectable wrapper: ``algo.advantage`` in the config."""
+    """GRPO's group-normalised advantage (``algo/advantage=group``, the default): a group's
+    advantages are computed once all G of its rewards are in."""
+
+    per_response = False
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6) -> None:
         check(
@@ -43,3 +48,31 @@ class GroupAdvantage:
         """Advantages of one complete group."""
         adv = group_advantages(torch.tensor([rewards], dtype=torch.float64), self.scale_by_std, self.eps)
         return adv[0].tolist()
+
+
+class RunningBaseline:
+    """Advantage ``r - b`` against a running baseline instead of the group mean.
+
+    ``b`` is an exponential moving average of past rewards (``momentum``), over all prompts
+    (``scope=global``) or per prompt id (``per_prompt``). A streaming controller then releases
+    each response on its own as soon as it is scored (``per_response``), instead of waiting for
+    its group's slowest member. This changes the estimator: ``b`` is not the group mean, it
+    lags the policy, and per prompt it starts from the first reward seen (advantage 0 for it).
+    Selected with ``algo/advantage=running`` (streaming rollout only).
+    """
+
+    per_response = True
+
+    def __init__(self, scope: str = "global", momentum: float = 0.9) -> None:
+        check_choice("algo.advantage.scope", scope, ("global", "per_prompt"))
+        check("algo.advantage.momentum", momentum, 0 <= momentum < 1, "a float in [0, 1)")
+        self.scope = scope
+        self.momentum = momentum
+        self._baselines: dict = {}
+
+    def single(self, reward: float, prompt_id: object) -> float:
+        """Advantage of one response; updates the baseline."""
+        key = "all" if self.scope == "global" else prompt_id
+        b = self._baselines.get(key, reward)
+        self._baselines[key] = self.momentum * b + (1 - self.momentum) * reward
+        return float(reward - b)

@@ -83,7 +83,7 @@ class WeightSync(L.Callback):
     def _max_diff(trainer: L.Trainer, pl_module: L.LightningModule, seq: list[int]) -> float:
         from modules.policy import token_logprobs
 
-        engine_lp = torch.tensor(trainer.datamodule.engine.score(seq))
+        engine_lp = torch.tensor(trainer.datamodule.engine_logprobs(seq))
         was_training = pl_module.policy.training
         pl_module.policy.eval()
         with torch.no_grad():
@@ -101,7 +101,7 @@ class WeightSync(L.Callback):
         self.synced_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        batch = getattr(pl_module, "_current_batch", None)
+        batch = pl_module.current_batch
         if batch is None or not batch.get("sync_after"):
             return
         n = int(batch["attention_mask"][0].sum())
@@ -168,11 +168,12 @@ class HeldOutEval(L.Callback):
 
 
 class CheckpointOnInterrupt(L.Callback):
-    """On Ctrl-C or SIGTERM: write ``interrupted.ckpt`` and record the exit code train.py
-    returns (130 for Ctrl-C, 143 for SIGTERM), so a scheduler can requeue and resume."""
+    """On Ctrl-C or SIGTERM: write ``interrupted.ckpt``, so a scheduler can requeue and resume
+    (``modules/guard.py`` then exits 130 for Ctrl-C, 143 for SIGTERM)."""
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath
+        self._sigterm = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # DDP: Lightning's SIGTERM handler broadcasts from inside the signal handler, which
@@ -193,7 +194,7 @@ class CheckpointOnInterrupt(L.Callback):
             return  # Lightning's own handler stops a single process
         import torch.distributed as dist
 
-        flag = torch.tensor([int(getattr(self, "_sigterm", False))], device=pl_module.device)
+        flag = torch.tensor([int(self._sigterm)], device=pl_module.device)
         dist.broadcast(flag, src=0)
         if flag.item():
             trainer._signal_connector.received_sigterm = True  # Lightning raises after this hook
@@ -203,13 +204,14 @@ class CheckpointOnInterrupt(L.Callback):
     ) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+        from modules.guard import EXIT_CTRL_C, EXIT_SIGTERM
+
         if isinstance(exception, KeyboardInterrupt):
-            code = 130
+            code = EXIT_CTRL_C
         elif isinstance(exception, SIGTERMException):
-            code = 143
+            code = EXIT_SIGTERM
         else:
             return
-        trainer.asyncrl_exit_code = code
         if trainer.global_rank == 0:
             path = Path(self.dirpath) / "interrupted.ckpt"
             # Not trainer.save_checkpoint: its barrier would wait for DDP ranks that may not

@@ -77,7 +77,13 @@ def diagnostics(w: torch.Tensor, mask: torch.Tensor, log_w: torch.Tensor) -> dic
 
 
 class Correction(ABC):
-    """Base: ``__call__`` returns (weights [B, T] detached, metrics)."""
+    """Base: ``__call__`` returns (weights [B, T] detached, metrics).
+
+    ``uses_pi_old_over_mu``: the weight is a function of ``pi_old / mu``, which is 1 in
+    ``bypass`` mode (pi_old := mu), so the correction needs ``algo.loss.anchor=decoupled``.
+    """
+
+    uses_pi_old_over_mu = True
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
@@ -95,6 +101,8 @@ class Correction(ABC):
 
 
 class NoCorrection(Correction):
+    uses_pi_old_over_mu = False
+
     def weights(self, log_w, mask, ctx):
         return torch.ones_like(log_w)
 
@@ -156,6 +164,8 @@ class IcePop(MaskedIS):
 class DeepSeekSequenceMask(Correction):
     """Needs ``logp`` (current pi, detached) and ``advantages`` in ctx."""
 
+    uses_pi_old_over_mu = False
+
     def __init__(self, delta: float = 0.1, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
         self.delta = delta
@@ -201,6 +211,8 @@ class VTrace(Correction):
 
 class LagWeight(Correction):
     """gamma ** staleness per sample; needs ``staleness`` [B] in ctx."""
+
+    uses_pi_old_over_mu = False
 
     def __init__(self, gamma: float = 0.9, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)

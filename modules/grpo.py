@@ -3,10 +3,13 @@
     python train.py recipe=sync_grpo
 
 The module owns the HF policy and computes response-token logprobs with the sampling
-temperature (the engine returns logprobs of the tempered distribution). It pulls each
-minibatch itself (``training_step(dataloader_iter)``) so that Lightning never prefetches a
-rollout batch generated with weights that are about to change. The loss is any function with
-the signature of ``modules.losses.policy_loss`` (``algo.loss`` in the config).
+temperature (the engine returns logprobs of the tempered distribution). It pulls each rollout
+batch itself (``training_step(dataloader_iter)``: one item = the rollout batch's optimizer
+steps), so that Lightning never prefetches a rollout batch generated with weights that are
+about to change, and it computes the extra passes the loss asks for before the batch's first
+update: pi_old for a decoupled anchor (``PolicyLoss.needs_old_logprobs``) and the current
+logprobs of samples the ``Recompute`` staleness policy flagged. The loss is a
+``modules.losses.PolicyLoss`` (``algo.loss`` in the config).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
+from modules.losses import PolicyLoss
 from modules.policy import load_policy, named_weights, token_logprobs
 from modules.schedules import optimizers
 
@@ -34,7 +38,7 @@ class GRPOModule(L.LightningModule):
     def __init__(
         self,
         model_path: str,
-        loss: partial,
+        loss: PolicyLoss,
         optimizer: partial,
         temperature: float = 1.0,
         scheduler: partial | None = None,
@@ -43,11 +47,10 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         super().__init__()
         check("module.temperature", temperature, temperature > 0, "a float > 0")
-        kl_coef = getattr(loss, "keywords", {}).get("kl_coef", 0.0)
         check(
             "module.ref_model_path",
             ref_model_path,
-            not kl_coef or ref_model_path is not None,
+            not loss.needs_reference or ref_model_path is not None,
             "a model path when algo.loss.kl_coef > 0 (the KL needs a reference policy)",
         )
         check(
@@ -74,6 +77,8 @@ class GRPOModule(L.LightningModule):
         self._t_start: float | None = None
         self._samples_at_start = 0
         self._wait_s = 0.0
+        self._steps: list[dict[str, Any]] = []  # optimizer steps left of the current rollout batch
+        self.current_batch: dict[str, Any] | None = None  # the step's minibatch (WeightSync reads it)
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -89,11 +94,13 @@ class GRPOModule(L.LightningModule):
         if self._t_start is None:
             self._t_start = time.perf_counter()
             self._samples_at_start = self.samples_trained  # nonzero after a resume
-        t0 = time.perf_counter()
-        batch, _, _ = next(dataloader_iter)
-        batch = move_data_to_device(batch, self.device)
-        self._wait_s += time.perf_counter() - t0
-        self._current_batch = batch  # read by WeightSync.on_train_batch_end
+        if not self._steps:
+            t0 = time.perf_counter()
+            steps, _, _ = next(dataloader_iter)
+            self._wait_s += time.perf_counter() - t0
+            self._steps = self.prepare_rollout_batch(move_data_to_device(steps, self.device))
+        batch = self._steps.pop(0)
+        self.current_batch = batch  # read by WeightSync.on_train_batch_end
         logp, entropy = token_logprobs(
             self.policy, batch["input_ids"], batch["attention_mask"], self.temperature, with_entropy=True
         )
@@ -184,24 +191,35 @@ class GRPOModule(L.LightningModule):
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
         if self._trainer is not None and self._trainer.world_size > 1:
             log("perf/rank_weight_max_diff", self.last_rank_weight_diff)
-        dm = getattr(self._trainer, "datamodule", None)
-        engine = getattr(dm, "engine", None)
-        if engine is not None and getattr(engine, "started_at", None):
-            engine_wall = max(time.time() - engine.started_at, 1e-9)
-            log("perf/engine_idle_frac", 1.0 - engine.busy_seconds() / engine_wall)
-            log("perf/tokens_per_s", engine.tokens_generated / engine_wall)
 
     @property
     def needs_old_logprobs(self) -> bool:
-        return getattr(self.loss_fn, "keywords", {}).get("anchor") == "decoupled"
+        return self.loss_fn.needs_old_logprobs
+
+    def prepare_rollout_batch(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The passes a rollout batch needs before its first update, with the current weights:
+        pi_old for a decoupled anchor, and, for samples flagged by the ``Recompute`` staleness
+        policy, behaviour logprobs replaced by the current policy's (once for all minibatches
+        and epochs)."""
+        if self.needs_old_logprobs:
+            for batch in steps:
+                batch["old_logprobs"] = self.old_logprobs(batch)
+        for batch in steps:
+            if batch["recompute"].any():
+                fresh = batch.get("old_logprobs")
+                fresh = self.old_logprobs(batch) if fresh is None else fresh
+                batch["behavior_logprobs"] = torch.where(
+                    batch["recompute"][:, None], fresh, batch["behavior_logprobs"]
+                )
+        return steps
 
     @torch.no_grad()
     def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
-        """pi_old for decoupled PPO: current weights, before this rollout batch's updates."""
+        """The current weights' logprobs (pi_old before this rollout batch's updates)."""
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device)
         logp, _ = token_logprobs(self.policy, ids, mask, self.temperature)
-        return logp.cpu()
+        return logp
 
     # ------------------------------------------------------------------ weights
     def weights_for_engine(self) -> dict[str, torch.Tensor]:

@@ -20,6 +20,10 @@ A loss is assembled from independent parts, each chosen in ``conf/algo``:
   that rejects a token removes its gradient, not its share of the normaliser.
 * **kl** to a reference policy (k1, k2, k3 with rho = pi_ref / pi), in the loss.
 
+``PolicyLoss`` (``algo.loss`` in the config) holds one such choice, validates it at start-up
+and says which extra inputs the module must compute: ``needs_old_logprobs`` (decoupled anchor:
+the trainer's pi_old) and ``needs_reference`` (a KL term: the reference policy's logprobs).
+
 All tensors per token are aligned to targets; ``advantages`` and ``weights`` are ``[B]``.
 Log-ratios are clamped to +-20 before ``exp``.
 """
@@ -30,9 +34,12 @@ from collections.abc import Callable
 
 import torch
 
+from modules.config_errors import check, check_choice
 from modules.corrections import LOG_CLAMP, Correction, NoCorrection, diagnostics, masked_mean
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+ANCHORS = ("bypass", "decoupled")
+KL_KINDS = ("k1", "k2", "k3")
 
 
 def aggregate(
@@ -50,10 +57,10 @@ def aggregate(
     if mode == "seq_mean_token_sum_norm":
         if not norm_const:
             raise ValueError(
-                "algo.aggregation=seq_mean_token_sum_norm needs algo.norm_const (e.g. max_tokens)"
+                "algo.loss.aggregation=seq_mean_token_sum_norm needs algo.loss.norm_const (e.g. max_tokens)"
             )
         return seq_sum.sum() / (per_token.shape[0] * norm_const)
-    raise ValueError(f"algo.aggregation={mode!r}: must be one of {', '.join(AGGREGATIONS)}")
+    raise ValueError(f"algo.loss.aggregation={mode!r}: must be one of {', '.join(AGGREGATIONS)}")
 
 
 def _log_ratio(logp: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -151,7 +158,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         return 0.5 * log_rho**2
     if kind == "k3":
         return log_rho.exp() - 1 - log_rho
-    raise ValueError(f"algo.kl.kind={kind!r}: must be one of k1, k2, k3")
+    raise ValueError(f"algo.loss.kl_kind={kind!r}: must be one of {', '.join(KL_KINDS)}")
 
 
 # ---------------------------------------------------------------------------- assembled loss
@@ -175,10 +182,10 @@ def policy_loss(
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training loss and its metrics (see module docstring)."""
-    if anchor not in ("bypass", "decoupled"):
-        raise ValueError(f"algo.anchor={anchor!r}: must be one of bypass, decoupled")
+    if anchor not in ANCHORS:
+        raise ValueError(f"algo.loss.anchor={anchor!r}: must be one of {', '.join(ANCHORS)}")
     if anchor == "decoupled" and old_logp is None:
-        raise ValueError("algo.anchor=decoupled needs the trainer's pi_old logprobs (old_logp)")
+        raise ValueError("algo.loss.anchor=decoupled needs the trainer's pi_old logprobs (old_logp)")
     pi_old = behavior_logp if anchor == "bypass" else old_logp
     correction = correction or NoCorrection()
     w, metrics = correction(
@@ -207,6 +214,90 @@ def policy_loss(
         loss = loss + kl_coef * kl
         metrics["kl_ref"] = kl.detach()
     return loss, metrics
+
+
+class PolicyLoss:
+    """The configured loss (``algo.loss``): ``policy_loss`` with its parts fixed.
+
+    Validates its fields at construction (before any model is built) and tells the module
+    what to compute besides the current logprobs.
+    """
+
+    def __init__(
+        self,
+        objective: Callable = ppo_clip,
+        correction: Correction | None = None,
+        anchor: str = "bypass",
+        aggregation: str = "token_mean",
+        norm_const: float | None = None,
+        kl_kind: str = "k3",
+        kl_coef: float = 0.0,
+    ) -> None:
+        check_choice("algo.loss.anchor", anchor, ANCHORS)
+        check_choice("algo.loss.aggregation", aggregation, AGGREGATIONS)
+        if aggregation == "seq_mean_token_sum_norm":
+            check(
+                "algo.loss.norm_const",
+                norm_const,
+                (norm_const or 0) > 0,
+                "a number > 0 for seq_mean_token_sum_norm (e.g. rollout.sampling.max_tokens)",
+            )
+        check_choice("algo.loss.kl_kind", kl_kind, KL_KINDS)
+        check("algo.loss.kl_coef", kl_coef, (kl_coef or 0.0) >= 0, "a float >= 0")
+        correction = correction or NoCorrection()
+        check(
+            "algo.loss.anchor",
+            anchor,
+            anchor == "decoupled" or not correction.uses_pi_old_over_mu,
+            f"decoupled with algo/correction={type(correction).__name__} (in bypass mode pi_old := mu, "
+            "so its weight pi_old/mu is 1 and the correction would do nothing)",
+        )
+        self.objective = objective
+        self.correction = correction
+        self.anchor = anchor
+        self.aggregation = aggregation
+        self.norm_const = norm_const
+        self.kl_kind = kl_kind
+        self.kl_coef = float(kl_coef or 0.0)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Decoupled PPO: the trainer's logprobs before the rollout batch's first update."""
+        return self.anchor == "decoupled"
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term to a reference policy is part of the loss."""
+        return self.kl_coef > 0
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        behavior_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        old_logp: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        staleness: torch.Tensor | None = None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return policy_loss(
+            logp,
+            behavior_logp,
+            advantages,
+            mask,
+            objective=self.objective,
+            correction=self.correction,
+            anchor=self.anchor,
+            aggregation=self.aggregation,
+            norm_const=self.norm_const,
+            old_logp=old_logp,
+            weights=weights,
+            staleness=staleness,
+            ref_logp=ref_logp,
+            kl_kind=self.kl_kind,
+            kl_coef=self.kl_coef,
+        )
 
 
 def ppo_clip_loss(

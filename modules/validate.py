@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from modules.config_errors import check, check_choice
-from modules.losses import AGGREGATIONS
+from modules.config_errors import check
 
 
 def validate(cfg: DictConfig) -> None:
@@ -40,18 +39,6 @@ def _validate_rl(cfg: DictConfig) -> None:
         module.temperature == rollout.sampling.temperature,
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
-    loss = algo.loss
-    check_choice("algo.loss.anchor", loss.get("anchor", "bypass"), ("bypass", "decoupled"))
-    check_choice("algo.loss.aggregation", loss.get("aggregation", "token_mean"), AGGREGATIONS)
-    if loss.get("aggregation") == "seq_mean_token_sum_norm":
-        check(
-            "algo.loss.norm_const",
-            loss.get("norm_const"),
-            (loss.get("norm_const") or 0) > 0,
-            "a number > 0 for seq_mean_token_sum_norm (e.g. rollout.sampling.max_tokens)",
-        )
-    check_choice("algo.loss.kl_kind", loss.get("kl_kind", "k3"), ("k1", "k2", "k3"))
-    check("algo.loss.kl_coef", loss.get("kl_coef", 0.0), (loss.get("kl_coef") or 0.0) >= 0, "a float >= 0")
     obj = algo.get("objective") or {}
     for side in ("eps_low", "eps_high"):
         if side in obj:
@@ -63,15 +50,6 @@ def _validate_rl(cfg: DictConfig) -> None:
     if "eps" in obj:
         check("algo.objective.eps", obj.eps, obj.eps > 0, "a float > 0")
     corr = algo.get("correction") or {}
-    target = str(corr.get("_target_", ""))
-    weight_based = not target.endswith(("NoCorrection", "DeepSeekSequenceMask", "LagWeight"))
-    check(
-        "algo.loss.anchor",
-        loss.get("anchor", "bypass"),
-        loss.get("anchor") == "decoupled" or not weight_based,
-        f"decoupled with algo/correction={target.rsplit('.', 1)[-1]} (in bypass mode pi_old := mu, so its "
-        "weight pi_old/mu is 1 and the correction would do nothing)",
-    )
     for key in ("cap", "rho_bar", "c_bar", "delta", "tau", "alpha", "beta"):
         if corr.get(key) is not None:
             check(f"algo.correction.{key}", corr[key], corr[key] > 0, "a float > 0")

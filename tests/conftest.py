@@ -18,18 +18,9 @@ os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl-test"):
     """Compose conf/train.yaml exactly as train.py does, plus overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from modules.config import compose as compose_config
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose(
-            "train",
-            overrides=[f"paths.root_dir={ROOT}", f"paths.output_dir={output_dir}", *(overrides or [])],
-            return_hydra_config=False,
-        )
-    return cfg
+    return compose_config(overrides, output_dir)
 
 
 # Small config used by every end-to-end run: few prompts, short eval, short responses.
@@ -58,7 +49,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def engine(models):
-    from modules.engine import VLLMEngine
+    from modules.engine.vllm import VLLMEngine
 
     eng = VLLMEngine(str(models["tied"]), max_model_len=320, max_num_seqs=64, pin_trainer=False).start()
     yield eng

@@ -22,7 +22,7 @@ class DumpRankWeights(L.Callback):
         state = {k: v.detach().cpu().clone() for k, v in pl_module.policy.state_dict().items()}
         torch.save(state, out / f"weights.rank{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
-            batch = pl_module._current_batch  # the last trained minibatch
+            batch = pl_module.current_batch  # the last trained minibatch
             probe = batch["input_ids"][0, : int(batch["attention_mask"][0].sum())].tolist()
             diff = WeightSync._max_diff(trainer, pl_module, probe)
             info = {"engine_max_abs_diff": diff, "engine_version": trainer.datamodule.engine.version}

@@ -7,7 +7,7 @@ the weights would never change; end-to-end tests swap in this task
 
 from __future__ import annotations
 
-from recipes.remainder import RemainderTask
+from data.tasks.remainder import RemainderTask
 
 
 class DigitShareTask(RemainderTask):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from modules.config import build
 from modules.config_errors import ConfigError
 from modules.validate import validate
 from tests.conftest import compose
-from train import build
 
 BAD = [
     # (overrides, field named in the message)
@@ -72,19 +72,11 @@ BAD = [
     (["rollout=streaming", "rollout.inflight=pause"], "rollout.inflight"),
     (["rollout=streaming", "rollout.max_age_s=0"], "rollout.max_age_s"),
     (
-        [
-            "rollout=streaming",
-            "rollout.staleness._target_=modules.rollout.staleness.Downweight",
-            "+rollout.staleness.gamma=2",
-        ],
+        ["rollout=streaming", "rollout/staleness=downweight", "rollout.staleness.gamma=2"],
         "rollout.staleness.gamma",
     ),
     (
-        [
-            "rollout=streaming",
-            "rollout.staleness._target_=modules.rollout.staleness.Admit",
-            "data.sync_every_s=5",
-        ],
+        ["rollout=streaming", "rollout/staleness=admit", "data.sync_every_s=5"],
         "data.sync_every_s",
     ),
     (["data.sync_every=0"], "data.sync_every"),

@@ -206,7 +206,7 @@ def test_aggregations_hand_values():
     assert aggregate(per_token, mask, "seq_mean_token_mean").item() == pytest.approx((2 + 4) / 2)
     assert aggregate(per_token, mask, "seq_mean_token_sum").item() == pytest.approx((6 + 4) / 2)
     assert aggregate(per_token, mask, "seq_mean_token_sum_norm", 5).item() == pytest.approx(10 / (2 * 5))
-    with pytest.raises(ValueError, match="algo.aggregation"):
+    with pytest.raises(ValueError, match="algo.loss.aggregation"):
         aggregate(per_token, mask, "sum")
 
 

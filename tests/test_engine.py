@@ -13,7 +13,8 @@ import psutil
 import pytest
 import torch
 
-from modules.engine import EngineError, SamplingConfig, VLLMEngine
+from modules.engine import EngineError, SamplingConfig
+from modules.engine.vllm import VLLMEngine
 from modules.policy import load_policy, named_weights, token_logprobs
 
 pytestmark = pytest.mark.engine
@@ -165,14 +166,15 @@ def test_shutdown_leaves_no_processes(models):
 def test_carry_over_across_weight_update_matches_each_policy(engine, models, inflight):
     """A response that spans a weight update: tokens before the split match the old weights,
     tokens after it the new ones; logprobs and version spans stay aligned (both methods)."""
-    from modules.rollout.base import Pending, RolloutContext, RolloutController
+    from data.rollout.controller import Pending, RolloutContext, RolloutController
+    from modules.advantages import GroupAdvantage
 
     old, tok = load_policy(models["tied"])
     old.eval()
     engine.update_weights(named_weights(old), engine.version + 1)  # known starting weights
     v0 = engine.version
     ctl = RolloutController(1, 1, SamplingConfig(max_tokens=160, ignore_eos=True))
-    ctl.bind(RolloutContext(engine, None, tok, None, None))
+    ctl.bind(RolloutContext(engine, None, tok, None, GroupAdvantage()))
     prompt = tok("47%2=")["input_ids"]
     p = Pending({"id": 0}, 0, 0, 123, v0, prompt_ids=prompt)
     fut = ctl.submit(p)

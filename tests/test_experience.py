@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.experience import Experience, collate
+from data.rollout.experience import Experience, collate
 
 
 def make(prompt, response, lps, version=3, spans=None, mask=None):

@@ -15,11 +15,12 @@ import inspect
 import pytest
 import torch
 
+from modules.config import build
 from modules.config_errors import ConfigError
-from modules.engine import EngineError, VLLMEngine
+from modules.engine import EngineError
+from modules.engine.vllm import VLLMEngine
 from modules.validate import validate
 from tests.conftest import compose
-from train import build
 
 
 def test_weight_transfer_must_be_shm_or_nccl():
@@ -131,7 +132,7 @@ def test_vllm_trainer_side_api_exists():
 def test_engine_args_are_accepted_by_vllm():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from modules.gpu_weight_transfer import NCCLWeightTransfer
+    from modules.engine.nccl_transfer import NCCLWeightTransfer
 
     args = AsyncEngineArgs(model="unused", **NCCLWeightTransfer.engine_args())
     assert args.weight_transfer_config.backend == "nccl"
@@ -159,7 +160,7 @@ class _FakeLLM:
 def test_client_forwards_to_async_llm():
     from vllm.distributed.weight_transfer import VLLMWeightSyncClient
 
-    from modules.gpu_weight_transfer import AsyncLLMSyncClient
+    from modules.engine.nccl_transfer import AsyncLLMSyncClient
 
     llm, timeouts = _FakeLLM(), []
 
@@ -183,7 +184,7 @@ def test_client_forwards_to_async_llm():
 
 
 def test_source_metadata_matches_iteration():
-    from modules.gpu_weight_transfer import DictWeightSource
+    from modules.engine.nccl_transfer import DictWeightSource
 
     tensors = {
         "model.embed_tokens.weight": torch.randn(8, 4),
@@ -211,7 +212,7 @@ def test_source_metadata_matches_iteration():
 
 
 def test_nccl_send_refuses_cpu_weights_and_skips_empty():
-    from modules.gpu_weight_transfer import NCCLWeightTransfer
+    from modules.engine.nccl_transfer import NCCLWeightTransfer
 
     transfer = NCCLWeightTransfer(engine_ranks=1, dtype="bfloat16")
     assert transfer.wire_dtype == torch.bfloat16

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.gsm8k import GSM8KTask, extract_answer, reference_answer
+from data.tasks.gsm8k import GSM8KTask, extract_answer, reference_answer
 from tests.conftest import compose
 
 
@@ -29,4 +29,4 @@ def test_prompt_and_reward_on_bundled_examples():
 def test_gsm8k_recipe_composes_for_gpu():
     cfg = compose(["recipe=gsm8k_grpo"])
     assert cfg.engine.gpu_ids == [1] and cfg.trainer.accelerator == "gpu"  # trainer on GPU 0
-    assert cfg.task._target_ == "recipes.gsm8k.GSM8KTask"
+    assert cfg.task._target_ == "data.tasks.gsm8k.GSM8KTask"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from modules.experience import Experience, collate
+from data.rollout.experience import Experience, collate
 from modules.policy import token_logprobs
 from tests.conftest import ROOT, compose
 
@@ -115,7 +115,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(models):
     bad["behavior_logprobs"][0, 5] = float("nan")
 
     def step(batch):
-        return module.training_step(iter([(batch, 0, 0)]))
+        return module.training_step(iter([([batch], 0, 0)]))  # one rollout batch of one step
 
     assert step(bad) is None and module.skipped_steps == 1  # skipped, run continues
     assert torch.isfinite(step(good))  # a good step resets the streak

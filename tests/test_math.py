@@ -11,9 +11,7 @@ import threading
 
 import pytest
 
-from modules.config_errors import ConfigError
-from modules.validate import validate
-from recipes.math import (
+from data.tasks.math import (
     EXAMPLES,
     MathTask,
     answers_match,
@@ -22,6 +20,8 @@ from recipes.math import (
     normalize_answer,
     parse_level,
 )
+from modules.config_errors import ConfigError
+from modules.validate import validate
 from tests.conftest import compose
 
 try:
@@ -177,7 +177,7 @@ def test_build_splits_sizes_and_levels():
     assert len(task.build("eval", 3)) == 3 and len(task.build("sft", 5)) == 5
     easy = MathTask(offline=True, levels=[1]).build("train", 100)
     assert easy and all(r["level"] == 1 for r in easy)
-    with pytest.raises(ConfigError, match="split"):
+    with pytest.raises(ValueError, match="split"):
         task.build("test", 3)
     with pytest.raises(ConfigError, match="task.levels"):
         MathTask(levels=[6])
@@ -264,7 +264,7 @@ def test_no_template_falls_back_to_plain_prompt():
 def test_math_recipe_composes_and_validates():
     cfg = compose(["recipe=math_grpo"])
     validate(cfg)
-    assert cfg.task._target_ == "recipes.math.MathTask"
+    assert cfg.task._target_ == "data.tasks.math.MathTask"
     assert cfg.task.tokenizer == cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct"
     assert cfg.trainer.accelerator == "gpu"
     assert not set(cfg.engine.gpu_ids) & set(cfg.trainer.devices)

@@ -9,8 +9,8 @@ import pytest
 from hydra.utils import instantiate
 
 from benchmarks.pipeline import bounds, expected_max, simulate
-from modules.rollout.streaming import StreamingRollout
-from modules.rollout.sync import SyncRollout
+from data.rollout.streaming import StreamingRollout
+from data.rollout.sync import SyncRollout
 from tests.conftest import ROOT, compose
 
 

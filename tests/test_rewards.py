@@ -1,4 +1,4 @@
-"""Rewards with a timeout run in killable worker processes (modules/rollout/rewards.py).
+"""Rewards with a timeout run in killable worker processes (data/rollout/rewards.py).
 
 No vLLM: the runner is driven directly, and through a controller on the simulated engine.
 Each worker is a fresh interpreter (about a second to start here), so tests share what they can.
@@ -11,12 +11,9 @@ import time
 import psutil
 import pytest
 
-from benchmarks.sim_engine import CharTokenizer, SimEngine
-from modules.advantages import GroupAdvantage
-from modules.config_errors import ConfigError
-from modules.engine import SamplingConfig
-from modules.rollout.base import PromptStream, RewardError, RolloutContext
-from modules.rollout.rewards import (
+from data.rollout.controller import RewardError, RolloutContext
+from data.rollout.prompts import PromptStream
+from data.rollout.rewards import (
     RemoteRewardError,
     RemoteTraceback,
     RewardRunner,
@@ -24,8 +21,12 @@ from modules.rollout.rewards import (
     RewardWorkerDied,
     RewardWorkerError,
 )
-from modules.rollout.streaming import StreamingRollout
-from modules.rollout.sync import SyncRollout
+from data.rollout.streaming import StreamingRollout
+from data.rollout.sync import SyncRollout
+from modules.advantages import GroupAdvantage
+from modules.config_errors import ConfigError
+from modules.engine import SamplingConfig
+from modules.engine.sim import CharTokenizer, SimEngine
 from tests.helpers import ScriptedRewardTask, UnpicklableTask
 
 TIMEOUT_S = 0.5

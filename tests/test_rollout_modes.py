@@ -1,4 +1,4 @@
-"""Rollout-mode semantics on the simulated virtual-clock engine (benchmarks/sim_engine.py).
+"""Rollout-mode semantics on the simulated virtual-clock engine (modules/engine/sim.py).
 
 The fake engine is a fixture for exact timing; the same controllers drive vLLM in training.
 """
@@ -11,18 +11,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim_engine import CharTokenizer, SimEngine, SimTask
-from modules.advantages import GroupAdvantage
+from data.rollout.controller import RewardError, RolloutContext
+from data.rollout.partial import PartialRollout
+from data.rollout.prompts import PromptStream
+from data.rollout.selection import Fifo, Stratified
+from data.rollout.staleness import Admit, Downweight, Drop, Recompute
+from data.rollout.streaming import StreamingRollout
+from data.rollout.sync import SyncRollout
+from modules.advantages import GroupAdvantage, RunningBaseline
 from modules.engine import EngineError, SamplingConfig
-from modules.rollout.base import PromptStream, RewardError, RolloutContext
-from modules.rollout.staleness import Admit, Downweight, Drop, Recompute
-from modules.rollout.streaming import PartialRollout, StreamingRollout
-from modules.rollout.sync import SyncRollout
+from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 
 
-def bind(ctl, engine, lengths, fail=False):
+def bind(ctl, engine, lengths, fail=False, advantage=None):
     task = SimTask(lengths, fail=fail)
-    ctl.bind(RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=0), GroupAdvantage()))
+    advantage = advantage or GroupAdvantage()
+    ctl.bind(RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=0), advantage))
     return ctl
 
 
@@ -234,7 +238,7 @@ def long_tail_streaming(**kwargs):
 
 
 def bias_run(stratify: bool) -> dict[str, float]:
-    ctl, eng = long_tail_streaming(stratify=stratify)
+    ctl, eng = long_tail_streaming(selection=Stratified() if stratify else Fifo())
     for _, batch in run(ctl, eng, 12, step_time=3.0):
         ctl.bias.on_trained(batch)  # the datamodule does this in training
     return ctl.bias.metrics()
@@ -309,22 +313,21 @@ def test_streaming_checkpoint_requeues_outstanding_prompts():
     assert [fresh.next()["id"] for _ in outstanding] == outstanding  # served first on resume
 
 
-@pytest.mark.parametrize("baseline", ["global", "per_prompt"])
-def test_running_baseline_lets_single_responses_flow_before_their_group(baseline):
-    def first_batch_time(kind):
+@pytest.mark.parametrize("scope", ["global", "per_prompt"])
+def test_running_baseline_lets_single_responses_flow_before_their_group(scope):
+    def first_batch_time(advantage):
         eng = SimEngine(jitter=60)  # responses of one prompt take 10..70 units
         ctl = bind(
-            StreamingRollout(
-                1, 4, SAMPLING, max_inflight=2, max_staleness=5, buffer_capacity=4, baseline=kind
-            ),
+            StreamingRollout(1, 4, SAMPLING, max_inflight=2, max_staleness=5, buffer_capacity=4),
             eng,
             [10, 10, 10, 10],
+            advantage=advantage,
         )
         batch = ctl.next_batch()
         return eng.now, batch
 
-    t_group, group_batch = first_batch_time("group")
-    t_single, single_batch = first_batch_time(baseline)
+    t_group, group_batch = first_batch_time(GroupAdvantage())
+    t_single, single_batch = first_batch_time(RunningBaseline(scope))
     assert len(group_batch) == len(single_batch) == 4
     assert len({e.group_id for e in group_batch}) == 1  # GRPO: one complete group
     assert t_single < t_group  # the running baseline does not wait for a group's slowest response
@@ -334,5 +337,10 @@ def test_running_baseline_lets_single_responses_flow_before_their_group(baseline
 def test_running_baseline_is_rejected_with_admission_control():
     from modules.config_errors import ConfigError
 
-    with pytest.raises(ConfigError, match="rollout.baseline"):
-        StreamingRollout(1, 4, SAMPLING, staleness=Admit(), baseline="global")
+    with pytest.raises(ConfigError, match="algo.advantage"):
+        bind(
+            StreamingRollout(1, 4, SAMPLING, staleness=Admit()),
+            SimEngine(),
+            [10],
+            advantage=RunningBaseline(),
+        )

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+from data.tasks.remainder import LEVELS, RemainderTask, solve
 from modules.tiny_model import build_char_tokenizer
-from recipes.remainder import LEVELS, RemainderTask, solve
 
 
 def test_tokenizer_round_trip():

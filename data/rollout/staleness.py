@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from data.rollout.experience import Experience
 from modules.config_errors import check
-from modules.experience import Experience
 
 
 class StalenessPolicy(ABC):

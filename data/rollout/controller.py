@@ -1,84 +1,40 @@
-"""What every rollout controller shares: prompt stream, request submission, reward, groups.
+"""What every rollout controller shares: request submission, reward, groups, carry-over.
 
-A controller (sync here; partial and streaming build on the same pieces) asks the engine for
-responses and returns complete, advantage-scored groups of ``Experience``. Rewards are
-computed as each response finishes, while the rest of the batch is still generating.
+A controller (``sync.py``, ``partial.py``, ``streaming.py``) asks the engine for responses and
+returns complete, advantage-scored groups of ``Experience``. Rewards are computed as each
+response finishes, while the rest of the batch is still generating. The datamodule binds a
+controller to the engine (``bind``) and asks it for rollout batches (``next_batch``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import random
-import time
+import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from modules.engine import Completion, EngineError, SamplingConfig, VLLMEngine
-from modules.experience import Experience
-from modules.rollout.bias import BiasTracker
-from modules.rollout.rewards import RewardRunner, RewardWorkerError
+from data.rollout.bias import BiasTracker
+from data.rollout.experience import Experience
+from data.rollout.prompts import PromptStream
+from data.rollout.rewards import RewardRunner, RewardWorkerError
+from modules.config_errors import check, check_choice
+from modules.engine.types import Completion, Engine, SamplingConfig
 
 
 class RewardError(RuntimeError):
     """The task's reward function raised; the message names the prompt."""
 
 
-class PromptStream:
-    """Endless shuffled pass over the train split; its cursor is checkpointed.
-
-    ``requeue`` puts prompts back at the front (those of groups still generating or buffered
-    when a checkpoint was taken), so a resumed run neither loses nor repeats them.
-    """
-
-    def __init__(self, rows: list[dict], seed: int = 0) -> None:
-        self.rows = rows
-        self.seed = seed
-        self.epoch = 0
-        self.cursor = 0
-        self._order = self._shuffle()
-        self._front: list[int] = []  # row indexes served before the shuffled order
-        self._index = {id(r): i for i, r in enumerate(rows)}
-
-    def _shuffle(self) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 7919 + self.epoch).shuffle(order)
-        return order
-
-    def requeue(self, row_indexes: list[int]) -> None:
-        self._front = list(row_indexes) + self._front
-
-    def index_of(self, row: dict) -> int:
-        return self._index[id(row)]
-
-    def next(self) -> dict:
-        if self._front:
-            return self.rows[self._front.pop(0)]
-        if self.cursor >= len(self._order):
-            self.epoch += 1
-            self.cursor = 0
-            self._order = self._shuffle()
-        row = self.rows[self._order[self.cursor]]
-        self.cursor += 1
-        return row
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "front": list(self._front)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._front = [int(i) for i in state.get("front", [])]
-        self._order = self._shuffle()
-
-
 @dataclass
 class RolloutContext:
     """Everything a controller needs, handed over by the datamodule once the engine is up."""
 
-    engine: VLLMEngine
-    task: Any
+    engine: Engine
+    task: Any  # data.tasks.Task
     tokenizer: Any
     prompts: PromptStream
-    advantage: Any  # callable: list of G rewards -> list of G advantages
+    advantage: Any  # modules.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
     seed: int = 0
 
 
@@ -105,11 +61,18 @@ class Pending:
 
 
 class RolloutController:
-    """Base class: request bookkeeping shared by the rollout modes."""
+    """Base class: request bookkeeping shared by the rollout modes.
+
+    Subclasses define ``next_batch``. What the datamodule reads is defined here with the
+    values of a controller that holds nothing between batches (sync); streaming overrides.
+    """
+
+    # What requests still generating do when weights change (``Engine.update_weights``).
+    inflight = "keep"
+    # True when the controller counts rollout batches per policy version itself (Admit).
+    admission_control = False
 
     def __init__(self, prompts_per_step: int, group_size: int, sampling: SamplingConfig) -> None:
-        from modules.config_errors import check
-
         check(
             "rollout.prompts_per_step",
             prompts_per_step,
@@ -151,11 +114,22 @@ class RolloutController:
         self.reward_timeout_s: float | None = None
         self.reward_error_count = 0
         self._rewards: RewardRunner | None = None  # worker processes, only with a timeout
+        self.batches_per_version = 1  # rollout batches per weight sync (data.sync_every)
+        # Held while a checkpoint snapshots the controller and the prompt cursor together.
+        self.lock: AbstractContextManager = threading.RLock()
+
+    def check_advantage(self, advantage: Any) -> None:
+        """Raise ``ConfigError`` if this mode cannot use ``advantage`` (start-up check)."""
+        check(
+            "algo.advantage",
+            type(advantage).__name__,
+            not advantage.per_response,
+            f"group (or another group-wise estimator) with {type(self).__name__}: only streaming "
+            "releases responses one by one",
+        )
 
     def configure_rewards(self, on_error: str = "fail", timeout_s: float | None = None) -> None:
-        from modules.config_errors import check
-
-        check("data.reward_errors", on_error, on_error in ("fail", "zero"), "one of fail, zero")
+        check_choice("data.reward_errors", on_error, ("fail", "zero"))
         check("data.reward_timeout_s", timeout_s, timeout_s is None or timeout_s > 0, "null or a float > 0")
         self.reward_errors, self.reward_timeout_s = on_error, timeout_s
         self._start_rewards()
@@ -201,6 +175,7 @@ class RolloutController:
             raise RewardError(f"reward function failed on prompt id {row.get('id')}: {e!r}") from e
 
     def bind(self, ctx: RolloutContext) -> None:
+        self.check_advantage(ctx.advantage)
         self.close_rewards()  # a new task needs new workers
         self.ctx = ctx
         self._start_rewards()
@@ -240,7 +215,7 @@ class RolloutController:
             p,
             prefix_ids=p.prefix_ids + list(comp.token_ids),
             prefix_logprobs=p.prefix_logprobs + list(comp.logprobs),
-            prefix_spans=_merge_spans(p.prefix_spans + spans),
+            prefix_spans=merge_spans(p.prefix_spans + spans),
             splits=p.splits + 1,
             gen_start=p.gen_start if p.gen_start is not None else comp.start_time,
         )
@@ -278,7 +253,7 @@ class RolloutController:
             gen_end=comp.end_time,
             truncated=comp.truncated or len(token_ids) >= self.sampling.max_tokens,
             finish_reason=comp.finish_reason,
-            version_spans=_merge_spans(spans),
+            version_spans=merge_spans(spans),
             difficulty=p.row.get("level"),
             splits=p.splits,
         )
@@ -299,6 +274,14 @@ class RolloutController:
             f"{type(self).__name__} is a base class: use SyncRollout, PartialRollout or StreamingRollout"
         )
 
+    def outstanding_prompts(self) -> list[int]:
+        """Row indexes of prompts whose groups are generating or buffered (none here)."""
+        return []
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counts for tests and metrics (buffer, groups in flight, ...); none here."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"next_group_id": self.next_group_id}
 
@@ -306,7 +289,7 @@ class RolloutController:
         self.next_group_id = int(state["next_group_id"])
 
 
-def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+def merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Join adjacent spans of the same version: [(3,0,4),(3,4,9)] -> [(3,0,9)]."""
     out: list[tuple[int, int, int]] = []
     for v, s, e in spans:
@@ -317,26 +300,3 @@ def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]
         else:
             out.append((v, s, e))
     return out
-
-
-def wait_any(engine: VLLMEngine, pending: set[cf.Future]) -> set[cf.Future]:
-    """Block until at least one future is done, checking engine health while waiting.
-
-    Raises ``EngineError`` if the engine dies, or if nothing finishes within
-    ``engine.stall_timeout_s`` (a live but stuck engine must not hang training).
-    """
-    if hasattr(engine, "advance"):  # virtual-clock test engine: jump to the next completion
-        while not any(f.done() for f in pending):
-            engine.advance()
-        return {f for f in pending if f.done()}
-    deadline = time.monotonic() + engine.stall_timeout_s
-    while True:
-        done, _ = cf.wait(pending, timeout=engine.health_poll_s, return_when=cf.FIRST_COMPLETED)
-        if done:
-            return done
-        engine.check_health()
-        if time.monotonic() > deadline:
-            raise EngineError(
-                f"no response finished within engine.stall_timeout_s={engine.stall_timeout_s:g} s "
-                f"({len(pending)} requests in flight): engine stalled"
-            )

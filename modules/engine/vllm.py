@@ -3,14 +3,13 @@
 The trainer thread never touches asyncio. It calls plain methods (``submit`` returns a
 ``concurrent.futures.Future``; ``update_weights`` blocks) and this class forwards them to the
 engine thread with ``asyncio.run_coroutine_threadsafe``. vLLM's engine core itself runs in a
-child process; on a CPU its compute is pinned to ``cpu_cores`` (``VLLM_CPU_OMP_THREADS_BIND``)
-so that the trainer keeps the other cores, the CPU analogue of dedicating GPUs to rollout.
+child process, on its own cores or GPUs (``modules/engine/placement.py``).
 
 Failure contract: if the engine dies or its loop raises, every pending future fails, and
 ``check_health`` raises ``EngineError`` naming the cause; callers that wait use
-``wait_result`` which polls health, so nothing hangs.
+``wait_result`` / ``wait_any`` / ``wait_on``, which poll health, so nothing hangs.
 
-Run this file to smoke-test an engine on a model directory:
+Smoke-test an engine on a model directory:
 
     python -m modules.engine artifacts/tiny-qwen-sft
 """
@@ -20,73 +19,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import itertools
-import os
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from modules.config_errors import check, check_choice
+from modules.engine import reaper
+from modules.engine.busy import BusyClock
+from modules.engine.loop_thread import LoopThread
+from modules.engine.placement import CorePinning, configure_engine_env
+from modules.engine.types import INFLIGHT_MODES, Completion, EngineError, SamplingConfig, WeightTransfer
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-class EngineError(RuntimeError):
-    """The rollout engine failed; the message names the cause."""
-
-
-@dataclass
-class Completion:
-    """One finished (or aborted) response as the engine produced it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each sampled token (processed distribution)
-    finish_reason: str | None  # "stop", "length" or "abort"
-    start_time: float
-    end_time: float
-    # (version, start, end) spans over token indexes: which policy produced which tokens.
-    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-
-@dataclass
-class SamplingConfig:
-    """What the engine samples with; recorded on every experience."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 256
-    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
-
-    def __post_init__(self) -> None:
-        check(
-            "rollout.sampling.temperature",
-            self.temperature,
-            self.temperature >= 0,
-            "a float >= 0 (0 = greedy)",
-        )
-        check("rollout.sampling.top_p", self.top_p, 0 < self.top_p <= 1, "a float in (0, 1]")
-        check("rollout.sampling.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
-        check("rollout.sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_tokens": self.max_tokens,
-            "ignore_eos": self.ignore_eos,
-        }
+if TYPE_CHECKING:
+    import torch
 
 
 class VLLMEngine:
@@ -146,23 +92,25 @@ class VLLMEngine:
         self.health_poll_s = health_poll_s
         self.pin_trainer = pin_trainer
         self.weight_transfer = weight_transfer
-        self._transfer: Any = None  # NCCLWeightTransfer when weight_transfer == "nccl"
+        self._transfer: WeightTransfer | None = None  # built in start()
+        # Keeps the trainer process off the engine's cores (CPU engine only).
+        self.pinning = CorePinning(cpu_cores if pin_trainer and gpu_ids is None else None)
+        self._reaper: Any = None
 
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: LoopThread | None = None  # runs AsyncLLM's event loop, from start()
         self._llm: Any = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._ids = itertools.count()
         self.version = 0
-        # Busy accounting for perf/engine_idle_frac: time with >= 1 request in flight.
-        self._inflight = 0
-        self._busy_since: float | None = None
-        self._busy_total = 0.0
-        self._lock = threading.Lock()
+        self._busy = BusyClock()
+        self._tokens_lock = threading.Lock()
         self.tokens_generated = 0
+        self.started_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> VLLMEngine:
         if self._thread is not None:
             return self
@@ -173,97 +121,36 @@ class VLLMEngine:
                 f"engine.model_path={self.model_path!r} holds no model (no config.json); "
                 "the RL recipes start from the SFT warm start: run `make sft` first"
             )
-        self._configure_placement()
-        if self.weight_transfer == "nccl" and self._transfer is None:
-            from modules.gpu_weight_transfer import NCCLWeightTransfer  # GPU-only path: import late
-
-            self._transfer = NCCLWeightTransfer(engine_ranks=len(self.gpu_ids or ()), dtype=self.dtype)
-        import psutil
-
-        children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-        self._thread = threading.Thread(target=self._thread_main, name="asyncrl-engine", daemon=True)
-        self._thread.start()
+        configure_engine_env(self.cpu_cores, self.cpu_kvcache_gb, self.gpu_ids)
+        if self._transfer is None:
+            self._transfer = self._make_transfer()
+        children_before = reaper.child_pids()
+        self._thread = LoopThread("asyncrl-engine")
         try:
-            if not self._ready.wait(self.startup_timeout_s):
-                raise EngineError(f"engine did not start within {self.startup_timeout_s:.0f} s")
-        except BaseException:  # timeout or Ctrl-C during start-up: leave nothing behind
+            self._thread.start(self._build, self.startup_timeout_s)
+        except BaseException:  # failure, timeout or Ctrl-C during start-up: leave nothing behind
             self.shutdown()
             raise
-        if self._error is not None:
-            err = self._error
-            self.shutdown()
-            raise EngineError(f"engine failed to start: {err!r}") from err
         self.started_at = time.time()
-        self._start_reaper(children_before)
-        self._pin_trainer()
+        # If the trainer dies without shutting the engine down, the reaper kills its processes.
+        self._reaper = reaper.watch_children(children_before)
+        self.pinning.apply()
         return self
 
-    def _start_reaper(self, before: set[int]) -> None:
-        """Watch the processes this start created (engine core, workers): if the trainer dies
-        without shutting them down, ``modules.reaper`` kills them."""
-        import psutil
+    def _make_transfer(self) -> WeightTransfer:
+        if self.weight_transfer == "nccl":  # GPU-only path: vLLM's NCCL backend, imported late
+            from modules.engine.nccl_transfer import NCCLWeightTransfer
 
-        from modules import reaper
+            return NCCLWeightTransfer(engine_ranks=len(self.gpu_ids or ()), dtype=self.dtype)
+        from modules.engine.shm_transfer import SharedMemoryWeightTransfer
 
-        new = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                # multiprocessing's resource tracker may start with the engine (vLLM spawns)
-                # but serves this whole process: it must outlive the engine.
-                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
-                    new.append(p.pid)
-            except psutil.Error:
-                continue
-        self._reaper = reaper.launch(new) if new else None
-
-    def _pin_trainer(self) -> None:
-        """Keep the trainer process off the engine's cores (threads created later inherit)."""
-        if not (self.pin_trainer and self.gpu_ids is None and self.cpu_cores):
-            return
-        if not hasattr(os, "sched_setaffinity"):
-            return
-        self._saved_affinity = os.sched_getaffinity(0)
-        rest = self._saved_affinity - _parse_cores(str(self.cpu_cores))
-        if rest:
-            os.sched_setaffinity(0, rest)
-
-    def _configure_placement(self) -> None:
-        # The engine's worker processes inherit this environment.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per sync otherwise
-        if self.gpu_ids is None:
-            if self.cpu_cores:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_cores)
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_gb)
-        else:  # CUDA: dedicate these GPUs to rollout (untested here: no GPU in CI).
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
-        # Workers are spawned: they must be able to import modules.weight_sync.
-        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if str(PROJECT_ROOT) not in paths:
-            os.environ["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, paths)])
-
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._build())
-        except BaseException as e:  # surfaced by start()
-            self._error = e
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        except BaseException as e:
-            self._error = e
-        finally:
-            loop.close()
+        return SharedMemoryWeightTransfer()
 
     async def _build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        assert self._transfer is not None
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.dtype,
@@ -273,27 +160,25 @@ class VLLMEngine:
             enforce_eager=self.enforce_eager,
             # Logprobs of the distribution actually sampled (after temperature / top-p).
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="modules.weight_sync.WeightSyncExtension",
+            worker_extension_cls="modules.engine.worker_extension.WeightSyncExtension",
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=len(self.gpu_ids) if self.gpu_ids else 1,
             disable_log_stats=True,
-            **(self._transfer.engine_args() if self._transfer is not None else {}),
+            **self._transfer.engine_args(),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
     def shutdown(self) -> None:
         """Stop the engine and its child processes. Safe to call twice."""
-        if self._thread is not None and self._thread.is_alive() and not self._ready.is_set():
-            # Interrupted during start-up: let the build finish so its processes can be reaped.
-            self._ready.wait(self.startup_timeout_s)
-        llm, loop, thread = self._llm, self._loop, self._thread
-        self._llm = None
-        if llm is not None and loop is not None and thread is not None and thread.is_alive():
+        thread = self._thread
+        if thread is not None:
+            thread.wait_built(self.startup_timeout_s)  # interrupted start-up: reap what it built
+        llm, self._llm = self._llm, None
+        if llm is not None and thread is not None and thread.alive:
             # Cancel the output handler before the core goes away, inside the engine's loop,
             # so vLLM does not report the intended shutdown as an engine death.
-            fut = asyncio.run_coroutine_threadsafe(_shutdown_llm(llm), loop)
             try:
-                fut.result(timeout=60)
+                thread.run(_shutdown_llm(llm)).result(timeout=60)
             except Exception:
                 llm.shutdown()
         elif llm is not None:
@@ -301,18 +186,14 @@ class VLLMEngine:
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None
-        reaper, self._reaper = getattr(self, "_reaper", None), None
-        if reaper is not None:
-            reaper.stdin.close()  # the watcher sees EOF; the engine is already down
-            reaper.wait(timeout=30)
-        if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=10)
+        watcher, self._reaper = self._reaper, None
+        if watcher is not None:
+            watcher.stdin.close()  # the watcher sees EOF; the engine is already down
+            watcher.wait(timeout=30)
+        if thread is not None:
+            thread.stop()
         self._thread = None
-        saved = getattr(self, "_saved_affinity", None)
-        if saved:  # the next engine in this process (e.g. a Hydra multirun job) starts clean
-            os.sched_setaffinity(0, saved)
-            self._saved_affinity = None
+        self.pinning.release()  # the next engine in this process (a multirun job) starts clean
 
     def __enter__(self) -> VLLMEngine:
         return self.start()
@@ -323,9 +204,10 @@ class VLLMEngine:
     # ------------------------------------------------------------------ health
     def check_health(self) -> None:
         """Raise ``EngineError`` if the engine thread or engine core is dead."""
-        if self._error is not None:
-            raise EngineError(f"engine thread failed: {self._error!r}") from self._error
-        if self._thread is None or not self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread.error is not None:
+            raise EngineError(f"engine thread failed: {thread.error!r}") from thread.error
+        if thread is None or not thread.alive:
             raise EngineError("engine is not running (never started, shut down, or its thread died)")
         llm = self._llm
         if llm is not None and getattr(llm, "errored", False):
@@ -353,10 +235,32 @@ class VLLMEngine:
                 if deadline is not None and time.monotonic() > deadline:
                     raise EngineError(f"engine call timed out after {timeout} s") from None
 
+    def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
+        """Block until at least one future is done, checking engine health while waiting.
+
+        Raises ``EngineError`` if the engine dies, or if nothing finishes within
+        ``engine.stall_timeout_s`` (a live but stuck engine must not hang training).
+        """
+        deadline = time.monotonic() + self.stall_timeout_s
+        while True:
+            done, _ = cf.wait(pending, timeout=self.health_poll_s, return_when=cf.FIRST_COMPLETED)
+            if done:
+                return done
+            self.check_health()
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"no response finished within engine.stall_timeout_s={self.stall_timeout_s:g} s "
+                    f"({len(pending)} requests in flight): engine stalled"
+                )
+
+    def wait_on(self, cv: threading.Condition) -> None:
+        cv.wait(timeout=self.health_poll_s)
+        self.check_health()
+
     def _call(self, coro: Any) -> cf.Future:
         self.check_health()
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        assert self._thread is not None
+        return self._thread.run(coro)
 
     # ------------------------------------------------------------------ generation
     def submit(
@@ -396,7 +300,7 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
             detokenize=False,
         )
-        self._busy_enter()
+        self._busy.enter()
         start = time.time()
         final = None
         try:
@@ -411,7 +315,7 @@ class VLLMEngine:
                 raise EngineError(f"vLLM engine core died while serving {rid} ({self._death_cause()})") from e
             raise
         finally:
-            self._busy_exit()
+            self._busy.exit()
         end = time.time()
         if final is None:
             raise EngineError(f"request {rid} returned no output")
@@ -422,10 +326,10 @@ class VLLMEngine:
         comp = Completion(rid, prompt_ids, token_ids, logprobs, c.finish_reason, start, end, spans)
         if prompt_logprobs:
             # Entry 0 is None (the first token has no context); keep one float per prompt token.
-            comp.prompt_logprobs = [  # type: ignore[attr-defined]
+            comp.prompt_logprobs = [
                 None if d is None else float(d[t].logprob) for d, t in zip(final.prompt_logprobs, prompt_ids)
             ]
-        with self._lock:
+        with self._tokens_lock:
             self.tokens_generated += len(token_ids)
         return comp
 
@@ -437,10 +341,8 @@ class VLLMEngine:
         """
         sampling = SamplingConfig(temperature=1.0, max_tokens=1)
         comp = self.wait_result(self.submit(sequence, sampling, seed=0, prompt_logprobs=True), 120)
-        return [float(x) for x in comp.prompt_logprobs[1:]]  # type: ignore[attr-defined]
-
-    def abort(self, request_id: str) -> None:
-        self.wait_result(self._call(self._llm.abort(request_id)), timeout=30)
+        assert comp.prompt_logprobs is not None
+        return [float(x) for x in comp.prompt_logprobs[1:]]
 
     # ------------------------------------------------------------------ weights
     def update_weights(
@@ -455,27 +357,15 @@ class VLLMEngine:
         (the rollout controller resubmits prompt + partial response);
         ``wait``: the update waits until they finish (a generation boundary).
 
-        The tensors travel as a safetensors file in /dev/shm (``weight_transfer="shm"``) or by
-        NCCL broadcast from the trainer's GPU (``"nccl"``, see modules/gpu_weight_transfer.py).
+        The tensors travel by the engine's ``WeightTransfer``: a safetensors file in /dev/shm
+        (``weight_transfer="shm"``) or an NCCL broadcast from the trainer's GPU (``"nccl"``).
         """
-        from safetensors.torch import save_file
-
-        check("rollout.inflight", inflight, inflight in ("keep", "abort", "wait"), "one of keep, abort, wait")
+        check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
+        assert self._transfer is not None, "engine not started"
         t0 = time.perf_counter()
         # clear_cache=True always: stale KV would make later tokens match neither policy.
         self.wait_result(self._call(self._llm.pause_generation(mode=inflight, clear_cache=True)))
-        if self._transfer is not None:  # engine.weight_transfer=nccl: GPU to GPU, no files
-            self._transfer.send(
-                named_tensors, self._llm, lambda coro, t: self.wait_result(self._call(coro), t)
-            )
-        else:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=_scratch_dir(nbytes)) as f:
-                save_file(tensors, f.name)
-                self.wait_result(
-                    self._call(self._llm.collective_rpc("asyncrl_load_weights", args=(f.name,))), timeout=300
-                )
+        self._transfer.send(named_tensors, self._llm, lambda coro, t: self.wait_result(self._call(coro), t))
         # Cached prompt KV was computed by the old weights: never reuse it for the new policy.
         self.wait_result(self._call(self._llm.reset_prefix_cache()), timeout=60)
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)
@@ -484,50 +374,14 @@ class VLLMEngine:
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ accounting
-    def _busy_enter(self) -> None:
-        with self._lock:
-            if self._inflight == 0:
-                self._busy_since = time.monotonic()
-            self._inflight += 1
-
-    def _busy_exit(self) -> None:
-        with self._lock:
-            self._inflight -= 1
-            if self._inflight == 0 and self._busy_since is not None:
-                self._busy_total += time.monotonic() - self._busy_since
-                self._busy_since = None
-
-    def busy_seconds(self) -> float:
-        """Seconds with at least one request in flight, since start."""
-        with self._lock:
-            extra = 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
-            return self._busy_total + extra
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-
-def _scratch_dir(nbytes: int) -> str | None:
-    """/dev/shm when it has room (a RAM-backed hand-off), else the default temp dir."""
-    import shutil
-
-    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
-        return "/dev/shm"
-    return None
-
-
-def _parse_cores(spec: str) -> set[int]:
-    """'1', '0-3', '0,2,4-5' -> set of core ids."""
-    cores: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if "-" in part:
-            lo, hi = part.split("-")
-            cores.update(range(int(lo), int(hi) + 1))
-        elif part:
-            cores.add(int(part))
-    return cores
+    def stats(self) -> dict[str, float]:
+        if self.started_at is None:
+            return {}
+        wall = max(time.time() - self.started_at, 1e-9)
+        return {
+            "perf/engine_idle_frac": 1.0 - self._busy.seconds() / wall,
+            "perf/tokens_per_s": self.tokens_generated / wall,
+        }
 
 
 async def _shutdown_llm(llm: Any) -> None:
@@ -542,24 +396,3 @@ def _as_version(v: Any) -> int:
         return int(v)
     except (TypeError, ValueError):
         return 0  # vLLM labels the initial weights "default": that is our version 0
-
-
-def _main() -> None:
-    import sys
-
-    from transformers import AutoTokenizer
-
-    path = sys.argv[1]
-    tok = AutoTokenizer.from_pretrained(path)
-    with VLLMEngine(path) as engine:
-        t0 = time.time()
-        futs = [
-            engine.submit(tok("12%5=")["input_ids"], SamplingConfig(max_tokens=64), seed=i) for i in range(32)
-        ]
-        outs = [engine.wait_result(f) for f in futs]
-        n = sum(len(o.token_ids) for o in outs)
-        print(f"{n} tokens in {time.time() - t0:.2f} s; sample: {tok.decode(outs[0].token_ids)!r}")
-
-
-if __name__ == "__main__":
-    _main()

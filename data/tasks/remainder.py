@@ -9,11 +9,11 @@ level 1 4-12 steps (about 18), level 2 13-40 steps (about 73), an 18x spread; th
 Reward is 1.0 only if the whole scratchpad is right (a guessed final number earns nothing),
 so a per-step error rate e gives accuracy (1-e)^steps: longer prompts fail more often.
 
-    python -m recipes.remainder      # print a few examples
+    python -m data.tasks.remainder      # print a few examples and the length figures
 
-This file is the task of the recipes next to it (``sft_warmup``, ``sync_grpo``). For a new
-task copy it (keep ``build`` / ``prompt_text`` / ``reward``) and point a recipe's ``task``
-at it (see README, "Copying a recipe").
+The default task of every recipe on the tiny model (``sft_warmup``, ``sync_grpo``, ...). For a
+new task copy this file (keep ``build`` / ``prompt_text`` / ``reward``, see ``data/tasks``) and
+point a recipe's ``task._target_`` at it (see README, "Copying a recipe").
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class RemainderTask:
         sees more long problems than the RL prompt stream does).
         """
         offsets = {"train": 0, "eval": 1, "sft": 2}
-        check("split", split, split in offsets, "one of " + ", ".join(offsets))
+        if split not in offsets:  # a caller's mistake, not a config value
+            raise ValueError(f"split={split!r}: must be one of {', '.join(offsets)}")
         rng = random.Random(self.seed * 1000 + offsets[split])
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         levels = rng.choices(range(len(LEVELS)), weights=weights, k=size)

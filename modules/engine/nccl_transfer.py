@@ -3,10 +3,9 @@
 Selected by ``engine.weight_transfer=nccl`` (the default of ``conf/engine/vllm_gpu.yaml``).
 How it differs from the CPU path:
 
-* CPU path (``engine.weight_transfer=shm``, the default): ``VLLMEngine.update_weights`` copies
-  every tensor to host memory, writes one safetensors file to /dev/shm and has each engine
-  worker read it back through ``modules.weight_sync.WeightSyncExtension``. It works anywhere,
-  but every sync crosses host memory twice.
+* CPU path (``engine.weight_transfer=shm``, the default, ``modules/engine/shm_transfer.py``):
+  every tensor is copied to host memory, written as one safetensors file to /dev/shm and read
+  back by each engine worker. It works anywhere, but every sync crosses host memory twice.
 * This path: the engine is built with vLLM's ``WeightTransferConfig(backend="nccl")``, so each
   engine worker owns a ``NCCLWeightTransferEngine``. On the first sync the trainer process
   joins those workers in a private NCCL group (trainer = rank 0, engine workers = ranks
@@ -19,7 +18,7 @@ Only the process that owns the engine sends (DDP rank 0; DDP replicas hold ident
 Pausing generation, resetting the prefix cache, labelling the version and resuming stay in
 ``VLLMEngine.update_weights``, shared with the CPU path.
 
-``modules.engine`` imports this file only when ``weight_transfer == "nccl"``; it imports vLLM's
+``VLLMEngine`` imports this file only when ``weight_transfer == "nccl"``; it imports vLLM's
 weight-transfer base classes (importable without a GPU) and, lazily, its NCCL backend. Written
 against vLLM 0.32; not run in this project's CI, which has no GPU (see docs/gpu.md).
 """
@@ -37,6 +36,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+
+from modules.engine.types import EngineError
 
 # Runs a coroutine on the engine's event loop and returns its result (raising if the engine
 # dies meanwhile); ``VLLMEngine`` passes ``wait_result(_call(coro), timeout)``.
@@ -172,8 +173,6 @@ def _cuda_device(named_tensors: dict[str, torch.Tensor]) -> torch.device:
     for t in named_tensors.values():
         if t.device.type == "cuda":
             return t.device
-    from modules.engine import EngineError
-
     kind = next(iter(named_tensors.values())).device.type
     raise EngineError(
         f"engine.weight_transfer=nccl needs the trainer's weights on a CUDA device, got {kind}: "

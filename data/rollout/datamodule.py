@@ -1,12 +1,16 @@
-"""LightningDataModule that streams training minibatches from the rollout engine.
+"""LightningDataModule that streams rollout batches from the engine to the trainer.
 
-``setup`` builds the vLLM engine (on its own cores / GPUs) and binds the rollout controller;
-``train_dataloader`` is an endless stream: each rollout batch from the controller is split into
-``minibatches`` x ``epochs`` optimizer steps, and the last one is flagged ``sync_after`` so the
-``WeightSync`` callback pushes the new weights before the next rollout batch is requested.
+``setup`` starts the engine (on its own cores / GPUs) and binds the rollout controller;
+``train_dataloader`` is an endless stream with one item per rollout batch: the list of its
+``minibatches`` x ``epochs`` optimizer steps (``batches.py``), the last one flagged
+``sync_after`` so the ``WeightSync`` callback pushes the new weights before the next rollout
+batch is requested. The module pulls these items itself (``training_step(dataloader_iter)``):
+Lightning's default fetcher would request the next rollout batch before the current step
+runs, i.e. sample it with weights that are about to change. Under DDP rank 0 owns the engine
+and scatters equal shards of each rollout batch (``_share``).
 
-The module pulls batches itself (``training_step(dataloader_iter)``): Lightning's default
-fetcher would request batch k+1 before step k runs, i.e. sample it with stale weights.
+The data path reads one way: task -> engine -> controller -> this datamodule -> module; this
+class never calls into the LightningModule (the module computes pi_old itself).
 
     python train.py rollout=sync             # this datamodule is the default ``data``
 """
@@ -17,7 +21,6 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext as _nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +28,22 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from data.rollout.batches import minibatches, rollout_stats
+from data.rollout.controller import RolloutContext, RolloutController
+from data.rollout.evaluation import HeldOutEvaluator
+from data.rollout.experience import Experience
+from data.rollout.prompts import PromptStream
+from data.rollout.rewards import pickle_task
 from modules.checkpoint_rng import python_state, python_state_tuple
 from modules.config_errors import check
-from modules.engine import SamplingConfig, VLLMEngine
-from modules.experience import Experience, collate
-from modules.rollout.base import PromptStream, RolloutContext, RolloutController, wait_any
+from modules.engine.types import Engine
 
 
 class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
         task: Any,
-        engine: VLLMEngine,
+        engine: Engine,
         rollout: RolloutController,
         advantage: Any,
         minibatches: int = 1,
@@ -72,17 +79,15 @@ class RolloutDataModule(L.LightningDataModule):
         check(
             "data.sync_every_s", sync_every_s, sync_every_s is None or sync_every_s > 0, "null or a float > 0"
         )
-        admission = getattr(getattr(rollout, "staleness", None), "admission_control", False)
         check(
             "data.sync_every_s",
             sync_every_s,
-            sync_every_s is None or not admission,
+            sync_every_s is None or not rollout.admission_control,
             "null with rollout.staleness=Admit (admission control counts batches per version)",
         )
+        rollout.check_advantage(advantage)
         rollout.configure_rewards(reward_errors, reward_timeout_s)
         if reward_timeout_s is not None:
-            from modules.rollout.rewards import pickle_task
-
             pickle_task(task)  # rewards then run in a worker process: fail before the engine starts
         self.sync_every = sync_every
         self.sync_every_s = sync_every_s
@@ -105,6 +110,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.world_size, self.rank = 1, 0  # DDP ranks, set in setup()
         self.tokenizer: Any = None
         self.prompts: PromptStream | None = None
+        self.evaluator: HeldOutEvaluator | None = None
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -132,7 +138,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.rank != 0:
             # DDP: only rank 0 owns the engine and the rollout controller; this rank receives
             # its shard of every rollout batch from rank 0 (see `_share`).
-            self.engine._pin_trainer()  # keep this rank off the engine cores too
+            self.engine.pinning.apply()  # keep this rank off the engine cores too
             return
         self.engine.start()
         self.rollout.bind(
@@ -140,19 +146,26 @@ class RolloutDataModule(L.LightningDataModule):
                 self.engine, self.task, self.tokenizer, self.prompts, self.advantage, seed=self.seed
             )
         )
+        self.evaluator = HeldOutEvaluator(
+            self.engine,
+            self.task,
+            self.tokenizer,
+            self.eval_rows,
+            self.rollout.score,  # the reward timeout and error policy apply to evaluation too
+            self.rollout.sampling.temperature,
+            self.eval_max_tokens,
+            self.eval_samples,
+        )
 
     def teardown(self, stage: str | None = None) -> None:
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        close = getattr(self.rollout, "close", None)
-        if close is not None:
-            close()
+        """Stop the engine and the reward workers; safe to call twice (train.py's guard calls
+        it again after a failed fit)."""
+        self.rollout.close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ training stream
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
+        return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0, collate_fn=_as_is)
 
     def _rollout_batches(self) -> Iterator[tuple[list[Experience], dict[str, float], bool]]:
         """Rank 0: (experiences, stats, sync due) for each rollout batch from the controller."""
@@ -165,8 +178,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.rollout.bias.on_trained(exps)
             stats = {
                 **rollout_stats(exps),
-                **getattr(self.rollout, "stats", {}),
+                **self.rollout.stats,
                 **self.rollout.bias.metrics(),
+                **self.engine.stats(),
                 "rollout/reward_errors": float(self.rollout.reward_error_count),
             }
             stats["perf/rollout_wait_s"] = waited
@@ -202,40 +216,15 @@ class RolloutDataModule(L.LightningDataModule):
         dist.scatter_object_list(out, payload, src=0)
         return out[0]
 
-    def _batches(self) -> Iterator[dict[str, Any]]:
+    def _batches(self) -> Iterator[list[dict[str, Any]]]:
+        """This rank's optimizer steps, one list per rollout batch."""
         rollouts = self._rollout_batches() if self.rank == 0 else None
         while True:
             exps, stats, due = self._share(next(rollouts) if rollouts is not None else None)
             self._audit_rank(exps)
-            n = len(exps)
-            batches = []
-            for epoch in range(self.epochs):
-                order = list(range(n))
-                self.shuffle_rng.shuffle(order)
-                chunks = [order[k :: self.minibatches] for k in range(self.minibatches)]
-                for k, chunk in enumerate(chunks):
-                    batch: dict[str, Any] = collate([exps[i] for i in chunk], self.tokenizer.pad_token_id)
-                    batch["sync_after"] = due and epoch == self.epochs - 1 and k == self.minibatches - 1
-                    batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
-                    # samples this optimizer step consumed across all ranks (equal shards)
-                    batch["num_samples"] = len(chunk) * self.world_size if epoch == 0 else 0
-                    batches.append(batch)
-            # Decoupled PPO needs pi_old: the trainer's logprobs before this update's first step.
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            if getattr(module, "needs_old_logprobs", False):
-                for batch in batches:
-                    batch["old_logprobs"] = module.old_logprobs(batch)
-            # Staleness policy `recompute`: the current policy (before this update) replaces the
-            # behaviour logprobs of the flagged samples, once for all minibatches and epochs.
-            if module is not None and any(bool(b["recompute"].any()) for b in batches):
-                for batch in batches:
-                    if batch["recompute"].any():
-                        fresh = batch.get("old_logprobs")
-                        fresh = module.old_logprobs(batch) if fresh is None else fresh
-                        batch["behavior_logprobs"] = torch.where(
-                            batch["recompute"][:, None], fresh, batch["behavior_logprobs"]
-                        )
-            yield from batches
+            pad_id = self.tokenizer.pad_token_id
+            args = (self.minibatches, self.epochs, self.shuffle_rng, pad_id, stats, due, self.world_size)
+            yield minibatches(exps, *args)
 
     def _audit_rank(self, exps: list[Experience]) -> None:
         """DDP only: each rank appends the samples it trains on to
@@ -263,66 +252,24 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
-        return self.engine.update_weights(
-            named_tensors, version, inflight=getattr(self.rollout, "inflight", "keep")
-        )
+        return self.engine.update_weights(named_tensors, version, inflight=self.rollout.inflight)
+
+    def engine_logprobs(self, sequence: list[int]) -> list[float]:
+        """The engine's logprob (temperature 1) of each token of ``sequence`` after the first."""
+        return self.engine.score(sequence)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out reward from the engine: greedy (``eval/reward_mean``, and per difficulty
-        level) and sampled at the training temperature, ``eval_samples`` per prompt
-        (``eval/sampled_reward_mean``: the quantity RL optimises, with less noise)."""
-        if not self.eval_rows:
-            return {}
-        greedy = self._eval_pass(SamplingConfig(temperature=0.0, max_tokens=self.eval_max_tokens), 1)
-        out = {"eval/reward_mean": greedy["mean"], "eval/response_len_mean": greedy["len"]}
-        out.update({f"eval/reward_level{lv}": r for lv, r in greedy["levels"].items()})
-        if self.eval_samples:
-            temp = self.rollout.sampling.temperature
-            sampled = self._eval_pass(
-                SamplingConfig(temperature=temp, max_tokens=self.eval_max_tokens), self.eval_samples
-            )
-            out["eval/sampled_reward_mean"] = sampled["mean"]
-            out.update({f"eval/sampled_reward_level{lv}": r for lv, r in sampled["levels"].items()})
-        return out
-
-    def _eval_pass(self, sampling: SamplingConfig, n: int) -> dict[str, Any]:
-        futs = {}
-        for i, row in enumerate(self.eval_rows):
-            ids = self.tokenizer(self.task.prompt_text(row))["input_ids"]
-            for k in range(n):
-                fut = self.engine.submit(
-                    ids, sampling, seed=1000 * i + k, request_id=f"eval-{time.time_ns()}-{i}-{k}"
-                )
-                futs[fut] = row
-        rewards: dict[int, list[float]] = {}
-        lengths = []
-        pending = set(futs)
-        while pending:
-            done = wait_any(self.engine, pending)
-            pending -= done
-            for f in done:
-                comp, row = f.result(), futs[f]
-                text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                rewards.setdefault(row.get("level", 0), []).append(
-                    self.rollout.score(row, text)
-                )  # timeout + error policy
-                lengths.append(len(comp.token_ids))
-        allr = [r for rs in rewards.values() for r in rs]
-        return {
-            "mean": sum(allr) / len(allr),
-            "len": sum(lengths) / len(lengths),
-            "levels": {lv: sum(rs) / len(rs) for lv, rs in sorted(rewards.items())},
-        }
+        """Held-out reward from the engine (``evaluation.py``); {} without eval prompts."""
+        return self.evaluator.evaluate() if self.evaluator is not None else {}
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        # Sync mode holds no buffered experience between steps: the prompt cursor is the state.
-        lock = getattr(self.rollout, "_cv", None)
-        with lock if lock is not None else _nullcontext():  # cursor and outstanding: one snapshot
+        # Prompts of groups still generating or buffered are re-queued on resume (their partial
+        # generations are not saved); sync mode has none. Cursor and outstanding: one snapshot.
+        with self.rollout.lock:
             prompts = self.prompts.state_dict() if self.prompts else None
-            outstanding = getattr(self.rollout, "outstanding_prompts", None)
-            if prompts is not None and outstanding is not None and self.rollout.ctx is not None:
-                prompts["front"] = outstanding() + prompts["front"]  # re-queued on resume
+            if prompts is not None and self.rollout.ctx is not None:
+                prompts["front"] = self.rollout.outstanding_prompts() + prompts["front"]
             return {
                 "prompts": prompts,
                 "rollout": self.rollout.state_dict(),
@@ -358,22 +305,6 @@ def _world(trainer: Any) -> tuple[int, int]:
     return int(trainer.world_size), int(trainer.global_rank)
 
 
-def rollout_stats(exps: list[Experience]) -> dict[str, float]:
-    """Per-rollout-batch statistics logged by the module."""
-    n = len(exps)
-    lengths = [len(e.response_ids) for e in exps]
-    start = min(e.gen_start for e in exps)
-    end = max(e.gen_end for e in exps)
-    return {
-        "train/reward_mean": sum(e.reward for e in exps) / n,
-        "train/response_len_mean": sum(lengths) / n,
-        "train/response_len_max": float(max(lengths)),
-        "train/truncated_frac": sum(e.truncated for e in exps) / n,
-        "rollout/gen_span_s": end - start,
-        "rollout/tokens": float(sum(lengths)),
-        # carried over: aborted and resubmitted, or generated across a weight update
-        "rollout/carried_frac": sum(e.splits > 0 or len(e.version_spans) > 1 for e in exps) / n,
-        # staleness histogram of this batch (share of samples 0, 1, 2, 3+ versions old)
-        **{f"rollout/staleness_frac_{k}": sum(min(e.staleness, 3) == k for e in exps) / n for k in range(3)},
-        "rollout/staleness_frac_3plus": sum(e.staleness >= 3 for e in exps) / n,
-    }
+def _as_is(item: Any) -> Any:
+    """The DataLoader's collate: items are already collated minibatches."""
+    return item

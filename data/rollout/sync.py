@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from modules.experience import Experience
-from modules.rollout.base import RolloutController, wait_any
+from data.rollout.controller import RolloutController
+from data.rollout.experience import Experience
 
 
 class SyncRollout(RolloutController):
@@ -25,7 +25,7 @@ class SyncRollout(RolloutController):
         groups: dict[int, list[Experience]] = defaultdict(list)
         pending = set(inflight)
         while pending:
-            done = wait_any(ctx.engine, pending)
+            done = ctx.engine.wait_any(pending)
             pending -= done
             for fut in done:
                 p = inflight[fut]

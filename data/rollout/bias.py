@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from modules.experience import Experience
+from data.rollout.experience import Experience
 
 LENGTH_EDGES = (8, 16, 32, 64, 128)  # bucket i holds lengths < LENGTH_EDGES[i]; last is the rest
 

@@ -1,5 +1,6 @@
-"""A simulated, virtual-clock stand-in for VLLMEngine: for the pipeline simulator
-(``benchmarks/pipeline.py``) and the rollout-semantics tests. Never the training path.
+"""A simulated, virtual-clock engine (the ``Engine`` protocol): for the pipeline simulator
+(``benchmarks/pipeline.py``), the overhead benchmark and the rollout-semantics tests. Never
+the training path.
 
 Each request generates one token per time unit; its length (= latency) is read from the
 prompt, ``"<length>|"`` in the fake tokenizer's encoding, minus any partial response already
@@ -14,9 +15,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import heapq
 import itertools
+import threading
 from dataclasses import dataclass, field
 
-from modules.engine import Completion, EngineError, SamplingConfig
+from modules.engine.types import Completion, EngineError, SamplingConfig
 
 
 class SimTask:
@@ -93,10 +95,31 @@ class SimEngine:
         self.slot_time = 0.0  # integral of running requests over time
         self._last = 0.0
 
-    # --- VLLMEngine interface used by the controllers
+    # --- the Engine protocol
+    def start(self) -> SimEngine:
+        return self
+
+    def shutdown(self) -> None:
+        pass
+
     def check_health(self) -> None:
         if self.dead:
             raise EngineError("scripted engine killed")
+
+    def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
+        """Jump the clock to the next completion until one of ``pending`` is done."""
+        while not any(f.done() for f in pending):
+            self.advance()
+        return {f for f in pending if f.done()}
+
+    def wait_on(self, cv: threading.Condition) -> None:
+        self.advance()  # completion callbacks run synchronously, under the caller's lock
+
+    def score(self, sequence: list[int]) -> list[float]:
+        return [-1.0] * (len(sequence) - 1)  # the logprob every simulated token carries
+
+    def stats(self) -> dict[str, float]:
+        return {"perf/engine_idle_frac": 1 - self.busy_time / self.now} if self.now else {}
 
     def submit(self, prompt_ids, sampling: SamplingConfig, seed=None, request_id=None, prompt_logprobs=False):
         self.check_health()

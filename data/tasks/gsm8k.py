@@ -67,7 +67,8 @@ class GSM8KTask:
         check("task.dataset", self.dataset, bool(self.dataset), "a dataset name on the hub")
 
     def build(self, split: str, size: int, level_weights: object = None) -> list[dict]:
-        check("split", split, split in ("train", "eval", "sft"), "one of train, eval, sft")
+        if split not in ("train", "eval", "sft"):  # a caller's mistake, not a config value
+            raise ValueError(f"split={split!r}: must be one of train, eval, sft")
         if self.offline:
             rows = [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
         else:

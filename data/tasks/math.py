@@ -230,7 +230,8 @@ class MathTask:
         return [r for c in configs for r in load_dataset(dataset, c, split=split)]
 
     def build(self, split: str, size: int, level_weights: object = None) -> list[dict]:
-        check("split", split, split in ("train", "eval", "sft"), "one of train, eval, sft")
+        if split not in ("train", "eval", "sft"):  # a caller's mistake, not a config value
+            raise ValueError(f"split={split!r}: must be one of train, eval, sft")
         if self.offline:
             raw = [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
         elif split == "eval":

@@ -1,14 +1,13 @@
-"""Rollout without a global barrier: streaming (continuous) and partial (over-provisioned).
+"""Rollout without a global barrier: streaming (continuous generation, a buffer of groups).
 
 ``StreamingRollout`` keeps up to ``max_inflight`` groups generating at all times. Each
-response is scored as it finishes; a group is released to the FIFO buffer only when all G of
-its responses are in (a long response delays only its own group). ``next_batch`` returns as
-soon as ``prompts_per_step`` complete groups are available; groups whose staleness exceeds
-``max_staleness`` go through the staleness policy (``modules/rollout/staleness.py``).
-
-``PartialRollout`` is the non-strict synchronous variant: each iteration tops the engine up
-to ceil(alpha * P) groups (carried-over ones included) and ends at the P-th complete group;
-the unfinished ones carry over, first in line.
+response is scored as it finishes; a group is released to the buffer only when all G of its
+responses are in (a long response delays only its own group), or, with a running-baseline
+advantage (``algo/advantage=running``), each response on its own. ``next_batch`` returns as
+soon as the batch selection rule (``selection.py``: FIFO, stratified, admission) has
+``prompts_per_step`` groups; groups whose staleness exceeds ``max_staleness`` go through the
+staleness policy (``staleness.py``). ``PartialRollout`` (``partial.py``) is the
+over-provisioned, non-strict synchronous variant built on this class.
 
 What happens to requests still generating when weights change is ``inflight``:
 ``keep`` (in-flight update: tokens after the switch come from the new weights, spans record
@@ -23,18 +22,18 @@ re-raised in the trainer's ``next_batch`` at once.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from modules.config_errors import check
-from modules.engine import EngineError, SamplingConfig
-from modules.experience import Experience
-from modules.rollout.base import Pending, RolloutController
-from modules.rollout.staleness import Drop, StalenessPolicy
+from data.rollout.controller import Pending, RolloutContext, RolloutController
+from data.rollout.experience import Experience
+from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
+from data.rollout.staleness import Drop, StalenessPolicy
+from modules.config_errors import check, check_choice
+from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
 
 
 @dataclass
@@ -42,17 +41,6 @@ class _Group:
     row: dict
     start_version: int
     exps: list[Experience] = field(default_factory=list)
-
-
-@dataclass
-class _Ready:
-    """A complete group waiting in the buffer."""
-
-    group_id: int
-    exps: list[Experience]
-    start_version: int  # version of its oldest token
-    completed_at: float
-    level: Any = None  # task difficulty bucket, for stratified batches
 
 
 class StreamingRollout(RolloutController):
@@ -68,25 +56,10 @@ class StreamingRollout(RolloutController):
         max_age_s: float | None = None,
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,
-        stratify: bool = False,
+        selection: BatchSelection | None = None,
         reweight: bool = False,
-        baseline: str = "group",
-        baseline_momentum: float = 0.9,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
-        check(
-            "rollout.baseline",
-            baseline,
-            baseline in ("group", "global", "per_prompt"),
-            "one of group, global, per_prompt",
-        )
-        check("rollout.baseline_momentum", baseline_momentum, 0 <= baseline_momentum < 1, "a float in [0, 1)")
-        check(
-            "rollout.baseline",
-            baseline,
-            baseline == "group" or not (staleness and staleness.admission_control),
-            "group with rollout.staleness=Admit (admission control counts whole groups)",
-        )
         check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
         check("rollout.max_staleness", max_staleness, max_staleness >= 0, "an int >= 0 (policy versions)")
         check(
@@ -95,7 +68,7 @@ class StreamingRollout(RolloutController):
             buffer_capacity >= prompts_per_step,
             f">= rollout.prompts_per_step ({prompts_per_step})",
         )
-        check("rollout.inflight", inflight, inflight in ("keep", "abort", "wait"), "one of keep, abort, wait")
+        check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
         check("rollout.max_age_s", max_age_s, max_age_s is None or max_age_s > 0, "null or a float > 0")
         self.max_inflight = max_inflight
         self.max_staleness = max_staleness
@@ -104,35 +77,54 @@ class StreamingRollout(RolloutController):
         self.max_age_s = max_age_s
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
-        self.stratify = stratify
-        # Running baseline: responses are released one by one with advantage r - b, where b is
-        # an exponential moving average of past rewards (over all prompts, or per prompt id).
-        # This changes the estimator: b is not the group mean, it lags, and for per_prompt it
-        # starts from the first reward seen (advantage 0 for that response).
-        self.baseline, self.baseline_momentum = baseline, baseline_momentum
-        self._baselines: dict = {}
-        self._units_per_group = 1 if baseline == "group" else group_size
-        self._batch_units = prompts_per_step * self._units_per_group
+        self.admission_control = self.staleness.admission_control
+        if self.admission_control:
+            check(
+                "rollout.selection",
+                type(selection).__name__,
+                selection is None or isinstance(selection, Fifo),
+                "fifo with rollout.staleness=Admit (admission control chooses the batch itself)",
+            )
+        self.selection = Admission() if self.admission_control else selection or Fifo()
+        # Buffer entries per group: 1 (whole groups), or G when a running-baseline advantage
+        # releases responses one by one (set in bind, from the advantage).
+        self._units_per_group = 1
         self.reweight = reweight
         self._trained_levels: dict = {}
-        self._cv = threading.Condition(threading.RLock())
+        self._cv = threading.Condition(self.lock)
         self._requests: dict[cf.Future, Pending] = {}
         self._groups: dict[int, _Group] = {}
-        self._buffer: deque[_Ready] = deque()
+        self._buffer: deque[Ready] = deque()
         self._error: BaseException | None = None
         self._closed = False
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
-        self.batches_per_version = 1  # set by the datamodule from data.sync_every
         self.counters = {"dropped": 0, "downweighted": 0, "recomputed": 0, "carried_over": 0, "expired": 0}
+
+    def check_advantage(self, advantage: Any) -> None:
+        check(
+            "algo.advantage",
+            type(advantage).__name__,
+            not (advantage.per_response and self.admission_control),
+            "a group-wise estimator (algo/advantage=group) with rollout.staleness=Admit "
+            "(admission control counts whole groups)",
+        )
+
+    def bind(self, ctx: RolloutContext) -> None:
+        super().bind(ctx)
+        self._units_per_group = self.group_size if ctx.advantage.per_response else 1
+
+    @property
+    def _batch_units(self) -> int:
+        return self.prompts_per_step * self._units_per_group
 
     # ------------------------------------------------------------------ producer side
     # Generation starts in the first next_batch, not here: bind runs in datamodule.setup,
     # before Lightning restores a checkpoint and before the first weight sync.
 
     def _admission_open(self) -> bool:
-        if not self.staleness.admission_control:
+        if not self.admission_control:
             return True
         # A group started now (version v) must be trained by version v + K. Each version
         # trains `batches_per_version` batches of P groups, and `taken` of this version's
@@ -192,14 +184,14 @@ class StreamingRollout(RolloutController):
                     return
                 group = self._groups[p.group_id]
                 group.exps.append(exp)
-                if self.baseline != "group":
+                if self.ctx.advantage.per_response:
                     self._release_single(p.group_id, group, exp)
                 elif len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
                     exps[0].extras["row"] = group.row  # lets a checkpoint re-queue its prompt
                     oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
-                    self._buffer.append(_Ready(p.group_id, exps, oldest, time.time(), group.row.get("level")))
+                    self._buffer.append(Ready(p.group_id, exps, oldest, time.time(), group.row.get("level")))
                 self._top_up()
             except BaseException as e:  # surfaced by next_batch in the trainer thread
                 if self._error is None:
@@ -208,13 +200,10 @@ class StreamingRollout(RolloutController):
                 self._cv.notify_all()
 
     def _release_single(self, gid: int, group: _Group, exp: Experience) -> None:
-        key = "all" if self.baseline == "global" else group.row.get("id")
-        b = self._baselines.get(key, exp.reward)
-        exp.advantage = float(exp.reward - b)
-        self._baselines[key] = self.baseline_momentum * b + (1 - self.baseline_momentum) * exp.reward
+        exp.advantage = self.ctx.advantage.single(exp.reward, group.row.get("id"))
         exp.extras["row"] = group.row
         oldest = min(exp.token_versions(), default=exp.policy_version)
-        self._buffer.append(_Ready(gid, [exp], oldest, time.time(), group.row.get("level")))
+        self._buffer.append(Ready(gid, [exp], oldest, time.time(), group.row.get("level")))
         if len(group.exps) == self.group_size:
             del self._groups[gid]
 
@@ -232,11 +221,7 @@ class StreamingRollout(RolloutController):
                     self._top_up()
                     return batch
                 self._top_up()
-                if hasattr(engine, "advance"):  # virtual-clock test engine
-                    engine.advance()
-                    continue
-                self._cv.wait(timeout=engine.health_poll_s)
-                engine.check_health()
+                engine.wait_on(self._cv)
                 if time.monotonic() > deadline:
                     raise EngineError(
                         f"no batch within rollout.wait_timeout_s={self.wait_timeout_s:g} s "
@@ -246,7 +231,7 @@ class StreamingRollout(RolloutController):
     def _start_iteration(self) -> None:
         """Hook for PartialRollout."""
 
-    def _reweight_by_level(self, chosen: list[_Ready]) -> None:
+    def _reweight_by_level(self, chosen: list[Ready]) -> None:
         """Sampling-probability weighting against completion-time bias: a group's weight is
         its level's share of issued samples over its level's share of everything trained so
         far (this batch included). Under-trained (slow) levels get weight > 1 when they do
@@ -264,41 +249,6 @@ class StreamingRollout(RolloutController):
             for e in r.exps:
                 e.weight *= w
 
-    def _stratified_choice(self) -> list[_Ready] | None:
-        """Mitigate completion-time bias: each difficulty level gets a quota of the batch equal
-        to its share of issued samples; wait while a level is short of its quota and still has
-        groups generating (a partial barrier on slow levels only)."""
-        issued = {lv: n for lv, n in self.bias.issued_levels.items() if lv is not None}
-        total = sum(issued.values())
-        if not total:
-            return []
-        chosen: list[_Ready] = []
-        for level, n in issued.items():
-            quota = math.floor(self._batch_units * n / total)
-            have = [r for r in self._buffer if r.level == level][:quota]
-            if len(have) < quota and any(g.row.get("level") == level for g in self._groups.values()):
-                return None
-            chosen += have
-        return chosen
-
-    def _admit_choice(self, version: int) -> list[_Ready] | None:
-        """Oldest groups first, and only if every outstanding group can still be trained in
-        time: for each start version u, those started at <= u must fit in the batches up to
-        version u + K. Otherwise wait for older groups still generating."""
-        k, p = self.max_staleness, self.prompts_per_step
-        chosen = sorted(self._buffer, key=lambda r: (r.start_version, r.completed_at))[:p]
-        if len(chosen) < p:
-            return None
-        left = [g.start_version for g in self._groups.values()]
-        left += [r.start_version for r in self._buffer if r not in chosen]
-        bpv = self.batches_per_version
-        taken = self._taken_count if self._taken_at == version else 0
-        for u in set(left):
-            # batches left through version u + K once this one is taken
-            if sum(s <= u for s in left) > ((u + k - version + 1) * bpv - taken - 1) * p:
-                return None
-        return chosen
-
     def _take(self) -> list[Experience] | None:
         version = self.ctx.engine.version
         now = time.time()
@@ -311,22 +261,21 @@ class StreamingRollout(RolloutController):
             for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:
                 self._buffer.remove(r)
                 self.counters["dropped"] += 1
-        # 2) Choose P groups, oldest first (FIFO by completion).
-        chosen: list[_Ready] = []
-        if self.staleness.admission_control:
-            chosen = self._admit_choice(version)
-            if chosen is None:
-                return None
-        elif self.stratify:
-            chosen = self._stratified_choice()
-            if chosen is None:
-                return None
-        for r in self._buffer:
-            if len(chosen) >= self._batch_units:
-                break
-            if r not in chosen:
-                chosen.append(r)
-        if len(chosen) < self._batch_units:
+        # 2) Choose P groups by the selection rule (FIFO, stratified, admission).
+        taken = self._taken_count if self._taken_at == version else 0
+        view = BatchView(
+            buffer=self._buffer,
+            generating=[(g.row.get("level"), g.start_version) for g in self._groups.values()],
+            version=version,
+            units=self._batch_units,
+            issued_levels=self.bias.issued_levels,
+            prompts_per_step=self.prompts_per_step,
+            max_staleness=self.max_staleness,
+            batches_per_version=self.batches_per_version,
+            taken=taken,
+        )
+        chosen = self.selection.choose(view)
+        if chosen is None:
             return None
         self._taken_count = self._taken_count + 1 if self._taken_at == version else 1
         self._taken_at = version
@@ -334,7 +283,7 @@ class StreamingRollout(RolloutController):
         for r in chosen:
             self._buffer.remove(r)
             excess = version - r.start_version - self.max_staleness
-            if excess > 0 and not self.staleness.admission_control:
+            if excess > 0 and not self.admission_control:
                 r.exps = self.staleness.apply(r.exps, excess) or []  # 3) downweight / recompute
             for e in r.exps:
                 e.staleness = version - min(e.token_versions(), default=e.policy_version)
@@ -391,45 +340,3 @@ class StreamingRollout(RolloutController):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.started_groups = int(state.get("started_groups", 0))
-
-
-class PartialRollout(StreamingRollout):
-    """Non-strict sync: issue ceil(alpha * P) groups per iteration, train on the first P."""
-
-    def __init__(
-        self,
-        prompts_per_step: int,
-        group_size: int,
-        sampling: SamplingConfig,
-        over_provision: float = 2.0,
-        inflight: str = "keep",
-        max_staleness: int = 1_000_000,
-        staleness: StalenessPolicy | None = None,
-        wait_timeout_s: float = 600.0,
-    ) -> None:
-        check("rollout.over_provision", over_provision, over_provision >= 1.0, "a float >= 1 (alpha)")
-        self.over_provision = over_provision
-        n = math.ceil(over_provision * prompts_per_step)
-        super().__init__(
-            prompts_per_step,
-            group_size,
-            sampling,
-            max_inflight=n,
-            max_staleness=max_staleness,
-            staleness=staleness,
-            buffer_capacity=n,
-            inflight=inflight,
-            wait_timeout_s=wait_timeout_s,
-        )
-        self._iteration_open = False
-
-    def _target_inflight(self) -> int:
-        # Top up only at the start of an iteration (not continuously, unlike streaming).
-        if not self._iteration_open:
-            return 0
-        return math.ceil(self.over_provision * self.prompts_per_step) - len(self._buffer)
-
-    def _start_iteration(self) -> None:
-        self._iteration_open = True
-        self._top_up()
-        self._iteration_open = False

@@ -1,0 +1,75 @@
+"""A daemon thread that runs its own asyncio event loop, for an async engine driven from sync code.
+
+The trainer thread never touches asyncio: it hands coroutines to ``run`` (thread-safe) and
+waits on the returned ``concurrent.futures.Future``. ``start`` runs a build coroutine first
+and returns once it finished; an error raised by the build or by the loop later is kept in
+``error`` for the owner's health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from modules.engine.types import EngineError
+
+
+class LoopThread:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, build: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float) -> None:
+        """Start the loop, run ``build()`` on it and wait for it; raises ``EngineError`` if it
+        fails or takes longer than ``timeout_s`` (the caller then calls ``stop``)."""
+        self._thread = threading.Thread(target=self._main, args=(build,), name=self.name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise EngineError(f"engine did not start within {timeout_s:.0f} s")
+        if self.error is not None:
+            raise EngineError(f"engine failed to start: {self.error!r}") from self.error
+
+    def wait_built(self, timeout_s: float) -> None:
+        """If ``start`` was interrupted, let the build finish so what it started can be stopped."""
+        if self.alive and not self._ready.is_set():
+            self._ready.wait(timeout_s)
+
+    def _main(self, build: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(build())
+        except BaseException as e:  # surfaced by start()
+            self.error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        except BaseException as e:
+            self.error = e
+        finally:
+            loop.close()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> cf.Future:
+        """Schedule ``coro`` on the loop from any thread."""
+        assert self._loop is not None, "loop thread not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=timeout_s)

@@ -1,0 +1,76 @@
+"""Where the engine runs and where the trainer stays: cores on a CPU, GPUs on a GPU node.
+
+On a CPU the engine's compute is pinned to ``engine.cpu_cores`` (``VLLM_CPU_OMP_THREADS_BIND``)
+and the trainer process is kept off those cores (``CorePinning``), the CPU analogue of
+dedicating GPUs to rollout. Every trainer process pins itself: rank 0 when it starts the
+engine, the other DDP ranks in the datamodule's ``setup``, ``benchmarks.bound`` around its
+training-only measurement.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_cores(spec: str) -> set[int]:
+    """'1', '0-3', '0,2,4-5' -> set of core ids."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            cores.update(range(int(lo), int(hi) + 1))
+        elif part:
+            cores.add(int(part))
+    return cores
+
+
+def configure_engine_env(cpu_cores: str | None, cpu_kvcache_gb: int, gpu_ids: list[int] | None) -> None:
+    """Environment the engine's worker processes inherit (set before the engine is built)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per sync otherwise
+    if gpu_ids is None:
+        if cpu_cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_cores)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gb)
+    else:  # CUDA: dedicate these GPUs to rollout (untested here: no GPU in CI).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    # Workers are spawned: they must be able to import modules.engine.worker_extension.
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(PROJECT_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, paths)])
+
+
+class CorePinning:
+    """Keep this process (and threads it creates later) off ``engine_cores``; ``release``
+    restores the previous affinity, so the next engine of a multirun starts clean.
+
+    ``engine_cores=None`` (an engine on GPUs, or ``engine.pin_trainer=false``) does nothing.
+    Usable as a context manager.
+    """
+
+    def __init__(self, engine_cores: str | None) -> None:
+        self.engine_cores = engine_cores
+        self._saved: set[int] | None = None
+
+    def apply(self) -> None:
+        if not self.engine_cores or self._saved is not None or not hasattr(os, "sched_setaffinity"):
+            return
+        self._saved = os.sched_getaffinity(0)
+        rest = self._saved - parse_cores(str(self.engine_cores))
+        if rest:
+            os.sched_setaffinity(0, rest)
+
+    def release(self) -> None:
+        if self._saved:
+            os.sched_setaffinity(0, self._saved)
+        self._saved = None
+
+    def __enter__(self) -> CorePinning:
+        self.apply()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

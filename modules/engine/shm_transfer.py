@@ -1,0 +1,52 @@
+"""Trainer-to-engine weight transfer through a safetensors file in shared memory (any device).
+
+Selected by ``engine.weight_transfer=shm`` (the CPU default). Every tensor is copied to host
+memory and written as one safetensors file to /dev/shm (the temp dir when /dev/shm lacks
+room); each engine worker reads it back through ``WeightSyncExtension.asyncrl_load_weights``
+(``modules/engine/worker_extension.py``). Tensors cannot travel as ``collective_rpc``
+arguments (measured: it kills the engine), so only the path does. The GPU alternative, a
+broadcast with no host copy, is ``modules/engine/nccl_transfer.py``; both implement
+``WeightTransfer`` (``modules/engine/vllm.py``), so ``VLLMEngine.update_weights`` does not
+care which one it has.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from modules.engine.types import EngineError
+
+LOAD_TIMEOUT_S = 300.0
+
+
+class SharedMemoryWeightTransfer:
+    @staticmethod
+    def engine_args() -> dict[str, Any]:
+        return {}  # the worker extension is always installed (``VLLMEngine._build``)
+
+    def send(self, named_tensors: dict[str, torch.Tensor], llm: Any, run: Any) -> None:
+        """Write the tensors to shared memory and have every engine worker load them."""
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        from safetensors.torch import save_file
+
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=scratch_dir(nbytes)) as f:
+            save_file(tensors, f.name)
+            loaded = run(llm.collective_rpc("asyncrl_load_weights", args=(f.name,)), LOAD_TIMEOUT_S)
+        if any(n != len(tensors) for n in loaded or ()):
+            raise EngineError(f"an engine worker loaded {loaded} of {len(tensors)} tensors")
+
+    def close(self) -> None:
+        pass
+
+
+def scratch_dir(nbytes: int) -> str | None:
+    """/dev/shm when it has room (a RAM-backed hand-off), else the default temp dir."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
+        return "/dev/shm"
+    return None

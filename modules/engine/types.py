@@ -1,0 +1,135 @@
+"""What a rollout engine is, as the rest of the project sees it: data types and a protocol.
+
+Two engines implement ``Engine``: ``VLLMEngine`` (``modules/engine/vllm.py``, the real one)
+and ``SimEngine`` (``modules/engine/sim.py``, a virtual clock for the pipeline simulator and
+the rollout-semantics tests). Rollout controllers and the datamodule only use the methods
+below, so they never ask which engine they drive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from modules.config_errors import check
+
+if TYPE_CHECKING:  # this package stays importable without torch (the reaper imports it)
+    import torch
+
+INFLIGHT_MODES = ("keep", "abort", "wait")
+
+
+class EngineError(RuntimeError):
+    """The rollout engine failed; the message names the cause."""
+
+
+@dataclass
+class Completion:
+    """One finished (or aborted) response as the engine produced it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each sampled token (processed distribution)
+    finish_reason: str | None  # "stop", "length" or "abort"
+    start_time: float
+    end_time: float
+    # (version, start, end) spans over token indexes: which policy produced which tokens.
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # With ``prompt_logprobs=True``: one float per prompt token (None for the first).
+    prompt_logprobs: list[float | None] | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class SamplingConfig:
+    """What the engine samples with; recorded on every experience."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
+
+    def __post_init__(self) -> None:
+        check(
+            "rollout.sampling.temperature",
+            self.temperature,
+            self.temperature >= 0,
+            "a float >= 0 (0 = greedy)",
+        )
+        check("rollout.sampling.top_p", self.top_p, 0 < self.top_p <= 1, "a float in (0, 1]")
+        check("rollout.sampling.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
+        check("rollout.sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class Engine(Protocol):
+    """The rollout engine interface the controllers, the datamodule and the callbacks use."""
+
+    version: int  # label of the weights it serves (policy version)
+
+    def start(self) -> Engine: ...
+
+    def shutdown(self) -> None: ...
+
+    def check_health(self) -> None:
+        """Raise ``EngineError`` if the engine is dead."""
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        request_id: str | None = None,
+        prompt_logprobs: bool = False,
+    ) -> cf.Future:
+        """Start one request; the future resolves to a ``Completion``."""
+
+    def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
+        """Block until at least one of ``pending`` is done; raise ``EngineError`` if the
+        engine dies or stalls meanwhile."""
+
+    def wait_on(self, cv: threading.Condition) -> None:
+        """Called with ``cv`` held by a consumer waiting for completion callbacks: let time
+        pass (release ``cv`` while waiting) and raise ``EngineError`` if the engine died."""
+
+    def update_weights(
+        self, named_tensors: dict[str, torch.Tensor], version: int, inflight: str = "keep"
+    ) -> float:
+        """Load new weights labelled ``version``; ``inflight`` in ``INFLIGHT_MODES``. Seconds."""
+
+    def score(self, sequence: list[int]) -> list[float]:
+        """Logprob (temperature 1) of each token of ``sequence`` after the first."""
+
+    def stats(self) -> dict[str, float]:
+        """Engine-side metrics (``perf/engine_idle_frac``, ``perf/tokens_per_s``) since start."""
+
+
+class WeightTransfer(Protocol):
+    """How weights reach the engine: ``shm_transfer`` (any device) or ``nccl_transfer`` (GPUs).
+
+    ``run(coro, timeout)`` runs a coroutine on the engine's event loop and returns its result,
+    raising ``EngineError`` if the engine dies meanwhile.
+    """
+
+    def engine_args(self) -> dict[str, Any]:
+        """Extra ``AsyncEngineArgs`` the transfer needs on the engine side."""
+
+    def send(self, named_tensors: dict[str, torch.Tensor], llm: Any, run: Any) -> None:
+        """Load ``named_tensors`` into the engine's model (generation is paused)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,94 @@
+"""What surrounds ``trainer.fit`` in ``train.py``: exit codes, DDP stop, shutdown, heap trim.
+
+    with guarded_fit(trainer, datamodule):
+        trainer.fit(module, datamodule=datamodule)
+
+* Ctrl-C and SIGTERM: Lightning turns them into ``SystemExit`` (after ``CheckpointOnInterrupt``
+  wrote ``interrupted.ckpt``); the process exits 130 / 143 so a scheduler can tell them apart
+  and requeue. Under DDP the other ranks stop with rank 0 and exit 0 (a nonzero exit of theirs
+  would make Lightning's observer SIGKILL rank 0 mid-shutdown).
+* Any other failure on rank 0 kills the DDP ranks it launched, which would otherwise wait in
+  a collective until its timeout.
+* The datamodule is torn down (engine and reward workers stopped) however fit ends.
+* After a successful job, freed heap pages go back to the OS and the process footprint is
+  logged, so a Hydra multirun's next job starts from a trimmed heap and leaks show up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+EXIT_CTRL_C = 130  # 128 + SIGINT
+EXIT_SIGTERM = 143  # 128 + SIGTERM
+
+
+@contextmanager
+def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
+    try:
+        yield
+    except SystemExit as e:
+        code = exit_code(e)
+        raise SystemExit(code if trainer.global_rank == 0 else 0) from None
+    except BaseException:
+        stop_other_ranks(trainer)
+        raise
+    finally:
+        datamodule.teardown("fit")  # a no-op when Lightning already tore it down
+    release_freed_memory()
+    log.info("process after job: %s", process_footprint())
+
+
+def exit_code(exc: SystemExit) -> int:
+    """130 for Ctrl-C (Lightning exits from inside its KeyboardInterrupt handler), 143 for
+    SIGTERM (``SIGTERMException``), else 1."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SIGTERMException):
+            return EXIT_SIGTERM
+        if isinstance(seen, KeyboardInterrupt):
+            return EXIT_CTRL_C
+        seen = seen.__context__
+    return 1
+
+
+def stop_other_ranks(trainer: L.Trainer) -> None:
+    """On rank 0's failure, kill the DDP ranks it launched (no-op with one device)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = trainer.strategy.launcher
+    if trainer.global_rank == 0 and isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so
+    RSS after a job measures what is still referenced, not allocator slack."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc (e.g. macOS): nothing to trim
+        pass
+
+
+def process_footprint() -> str:
+    import psutil
+
+    me = psutil.Process()
+    children = 0
+    for child in me.children(recursive=True):
+        try:
+            children += "resource_tracker" not in " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+    return f"rss_mb={me.memory_info().rss / 2**20:.0f} threads={threading.active_count()} children={children}"
