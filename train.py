@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from modules.config import build
+from modules.environment import check_environment
 from modules.guard import guarded_fit
 from modules.validate import validate
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
-    validate(cfg)  # cross-field rules; single-field ones run in the constructors below
+    validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
     # Everything below is cheap to construct and validates its arguments; the engine and the
@@ -34,6 +35,7 @@ def train(cfg: DictConfig) -> float | None:
     module = build(cfg.module)
     callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
+    check_environment(cfg)  # files that must exist, cores / GPUs / memory this machine has
     trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))

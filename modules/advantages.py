@@ -44,6 +44,12 @@ class GroupAdvantage:
         self.scale_by_std = scale_by_std
         self.eps = eps
 
+    def state_dict(self) -> dict:
+        return {}  # stateless
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def __call__(self, rewards: list[float]) -> list[float]:
         """Advantages of one complete group."""
         adv = group_advantages(torch.tensor([rewards], dtype=torch.float64), self.scale_by_std, self.eps)
@@ -69,6 +75,13 @@ class RunningBaseline:
         self.scope = scope
         self.momentum = momentum
         self._baselines: dict = {}
+
+    def state_dict(self) -> dict:
+        """The baselines, as [key, value] pairs (keys are prompt ids or "all")."""
+        return {"baselines": [[k, v] for k, v in self._baselines.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._baselines = {k: float(v) for k, v in state.get("baselines", [])}
 
     def single(self, reward: float, prompt_id: object) -> float:
         """Advantage of one response; updates the baseline."""

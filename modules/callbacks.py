@@ -84,6 +84,7 @@ class WeightSync(L.Callback):
         from modules.policy import token_logprobs
 
         engine_lp = torch.tensor(trainer.datamodule.engine_logprobs(seq))
+        seq = seq[: len(engine_lp) + 1]  # the engine scores at most max_model_len - 1 tokens
         was_training = pl_module.policy.training
         pl_module.policy.eval()
         with torch.no_grad():

@@ -19,15 +19,18 @@ Selected with ``algo/correction=<name>`` (``conf/algo/correction/``). What each 
   ratio is inside [lower, upper], zero outside (rejection of extreme samples).
 * ``icepop`` (alpha 0.5, beta 5): token ratio kept inside [alpha, beta], zero outside.
 * ``ds_seq_mask`` (delta): DeepSeek-V3.2 off-policy sequence masking: drop a sequence when its
-  advantage is negative and mean_t log(mu / pi) > delta. Weight 1 otherwise.
+  advantage is negative and mean_t log(mu / pi) > delta. A gate: kept tokens carry the token
+  behaviour weight pi_old / mu (1 in bypass mode), dropped ones 0.
 * ``m2po`` (tau 0.04): mask the tokens with the largest (log mu - log pi_old)^2 until the mean
   of the rest is below tau.
 * ``vtrace`` (rho_bar, c_bar): min(rho_bar, w_t) * prod_{s<t} min(c_bar, w_s), the V-trace
   truncation applied along the response (no value function: traces only re-weight).
-* ``lag`` (gamma): gamma ** staleness per sample (from the experience record).
+* ``lag`` (gamma): gamma ** staleness per sample (from the experience record), a gate like
+  ``ds_seq_mask``: it multiplies the token behaviour weight pi_old / mu.
 
-Any of them can be self-normalised (``self_normalize: true``): divided by the masked batch
-mean of the weights.
+Any of them can be self-normalised (``self_normalize: true``): divided by the mean weight of
+the samples it keeps (tokens for token-level weights, sequences for per-sequence ones);
+rejected samples keep weight 0 and their place in the loss's denominator.
 """
 
 from __future__ import annotations
@@ -81,23 +84,48 @@ class Correction(ABC):
 
     ``uses_pi_old_over_mu``: the weight is a function of ``pi_old / mu``, which is 1 in
     ``bypass`` mode (pi_old := mu), so the correction needs ``algo.loss.anchor=decoupled``.
+    ``gate``: the correction is a mask or a per-sample factor (``ds_seq_mask``, ``lag``) that
+    multiplies the token behaviour weight ``pi_old / mu`` instead of replacing it (that weight
+    is 1 in bypass mode, so there the gate acts alone).
+    ``per_sequence``: one weight per sequence; self-normalisation then averages over
+    sequences, not tokens.
     """
 
     uses_pi_old_over_mu = True
+    gate = False
+    per_sequence = False
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
 
     @abstractmethod
     def weights(self, log_w: torch.Tensor, mask: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """Per-token weights [B, T] from log_w = log pi_old - log mu (and ctx)."""
+        """Per-token weights [B, T] from log_w = log pi_old - log mu (and ctx); a gate's factor."""
 
     def __call__(self, log_w: torch.Tensor, mask: torch.Tensor, **ctx: torch.Tensor) -> tuple:
         log_w = log_w.detach()
         w = self.weights(log_w, mask, ctx).detach() * mask
         if self.self_normalize:
-            w = w / masked_mean(w, mask).clamp_min(1e-12)
+            w = self_normalized(w, mask, self.per_sequence)
+        if self.gate:
+            w = w * _exp(log_w)
         return w, diagnostics(w, mask, log_w)
+
+
+def self_normalized(w: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch.Tensor:
+    """Weights divided by their mean over the samples they keep (weight > 0): a rejected
+    token or sequence keeps its zero and its place in the loss's denominator, and the
+    survivors' scale is not inflated by it. Token-level weights average over kept tokens,
+    per-sequence weights over kept sequences (each sequence counts once, whatever its length)."""
+    if per_sequence:
+        n = mask.sum(dim=1)
+        seq_w = (w * mask).sum(dim=1) / n.clamp_min(1.0)  # the sequence's (constant) weight
+        kept = (n > 0) & (seq_w > 0)
+        mean = seq_w[kept].mean() if kept.any() else seq_w.new_ones(())
+    else:
+        kept = (mask > 0) & (w > 0)
+        mean = w[kept].mean() if kept.any() else w.new_ones(())
+    return w / mean.clamp_min(1e-12)
 
 
 class NoCorrection(Correction):
@@ -122,6 +150,8 @@ class TruncatedTokenIS(Correction):
 
 
 class SequenceIS(Correction):
+    per_sequence = True
+
     def __init__(self, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
         self.cap = cap
@@ -132,6 +162,8 @@ class SequenceIS(Correction):
 
 
 class GeometricSequenceIS(Correction):
+    per_sequence = True
+
     def weights(self, log_w, mask, ctx):
         return _exp(_seq_mean(log_w, mask)).expand_as(log_w)
 
@@ -144,6 +176,7 @@ class MaskedIS(Correction):
         if level not in ("token", "sequence", "geometric"):
             raise ValueError(f"algo.correction.level={level!r}: must be one of token, sequence, geometric")
         self.lower, self.upper, self.level = lower, upper, level
+        self.per_sequence = level != "token"
 
     def weights(self, log_w, mask, ctx):
         if self.level == "token":
@@ -165,6 +198,8 @@ class DeepSeekSequenceMask(Correction):
     """Needs ``logp`` (current pi, detached) and ``advantages`` in ctx."""
 
     uses_pi_old_over_mu = False
+    gate = True
+    per_sequence = True
 
     def __init__(self, delta: float = 0.1, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
@@ -213,6 +248,8 @@ class LagWeight(Correction):
     """gamma ** staleness per sample; needs ``staleness`` [B] in ctx."""
 
     uses_pi_old_over_mu = False
+    gate = True
+    per_sequence = True
 
     def __init__(self, gamma: float = 0.9, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)

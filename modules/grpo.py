@@ -25,8 +25,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
-from modules.losses import PolicyLoss
-from modules.policy import load_policy, named_weights, token_logprobs
+from modules.losses import PolicyLoss, batch_counts
+from modules.policy import disable_dropout, load_policy, named_weights, token_logprobs
 from modules.schedules import optimizers
 
 
@@ -83,6 +83,7 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(self.model_path)
+            disable_dropout(self.policy)  # on-policy, the ratio must be exactly 1
             self.policy.train()
         if self.ref_model_path and self.ref_policy is None:
             ref, _ = load_policy(self.ref_model_path)
@@ -113,6 +114,7 @@ class GRPOModule(L.LightningModule):
                 extra["ref_logp"], _ = token_logprobs(
                     self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
                 )
+        totals, world = self._global_counts(mask)
         loss, metrics = self.loss_fn(
             logp,
             behavior,
@@ -120,6 +122,8 @@ class GRPOModule(L.LightningModule):
             mask,
             weights=batch["weights"],
             staleness=batch.get("staleness"),
+            totals=totals,
+            world_size=world,
             **extra,
         )
         self.samples_trained += int(batch["num_samples"])
@@ -128,6 +132,17 @@ class GRPOModule(L.LightningModule):
         self.consecutive_skips = 0
         self._log_step(batch, loss, metrics, entropy, mask)
         return loss
+
+    def _global_counts(self, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The loss normalisers (tokens, sequences) summed over DDP ranks, and the rank count:
+        each rank's loss is then its share of the global aggregate (``losses.aggregate``)."""
+        counts = batch_counts(mask).double()
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts)
+        return counts, world
 
     def _all_ranks_finite(self, loss: torch.Tensor, logp: torch.Tensor) -> bool:
         """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
@@ -163,11 +178,14 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         bs = int(mask.shape[0])
         log = partial(self.log, on_step=True, on_epoch=False, batch_size=bs)
-        log("train/loss", loss.detach())
+        # Under DDP: the mean over ranks (each rank's loss is its share of the global loss, so
+        # their mean is the global loss; metrics are averaged over the ranks' shards).
+        synced = partial(log, sync_dist=self._trainer is not None and self._trainer.world_size > 1)
+        synced("train/loss", loss.detach())
         for k, v in metrics.items():
-            log(k if "/" in k else f"train/{k}", v)  # is/*, mismatch/* keep their group
-        log("train/entropy", (entropy * mask).sum() / mask.sum().clamp_min(1))
-        log("train/advantage_abs_mean", batch["advantages"].abs().mean())
+            synced(k if "/" in k else f"train/{k}", v)  # is/*, mismatch/* keep their group
+        synced("train/entropy", (entropy * mask).sum() / mask.sum().clamp_min(1))
+        synced("train/advantage_abs_mean", batch["advantages"].abs().mean())
         stats = batch.get("rollout_stats") or {}
         for k, v in stats.items():
             log(k, float(v), prog_bar=k in ("train/reward_mean", "rollout/buffer_size"))
@@ -197,20 +215,20 @@ class GRPOModule(L.LightningModule):
         return self.loss_fn.needs_old_logprobs
 
     def prepare_rollout_batch(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The passes a rollout batch needs before its first update, with the current weights:
-        pi_old for a decoupled anchor, and, for samples flagged by the ``Recompute`` staleness
-        policy, behaviour logprobs replaced by the current policy's (once for all minibatches
-        and epochs)."""
-        if self.needs_old_logprobs:
-            for batch in steps:
-                batch["old_logprobs"] = self.old_logprobs(batch)
+        """The passes a rollout batch needs before its first update, with the current weights
+        (once for all its minibatches and epochs): pi_old for a decoupled anchor; in bypass
+        mode, pi_old of the samples the ``Recompute`` staleness policy flagged (their ratio
+        restarts at the current policy; the other rows keep pi_old := mu). The behaviour
+        logprobs mu are never replaced: the behaviour weight pi_old / mu and the ``mismatch/*``
+        metrics still see how far the stale samples' policy was. In decoupled mode pi_old is
+        already the current policy for every row, so ``Recompute`` adds nothing there."""
         for batch in steps:
-            if batch["recompute"].any():
-                fresh = batch.get("old_logprobs")
-                fresh = self.old_logprobs(batch) if fresh is None else fresh
-                batch["behavior_logprobs"] = torch.where(
-                    batch["recompute"][:, None], fresh, batch["behavior_logprobs"]
-                )
+            flagged = batch["recompute"]
+            if self.needs_old_logprobs:
+                batch["old_logprobs"] = self.old_logprobs(batch)
+            elif flagged.any():
+                fresh = self.old_logprobs(batch)
+                batch["old_logprobs"] = torch.where(flagged[:, None], fresh, batch["behavior_logprobs"])
         return steps
 
     @torch.no_grad()

@@ -18,7 +18,10 @@ A loss is assembled from independent parts, each chosen in ``conf/algo``:
   (Dr.GRPO) = sum(mask * l) / (B * norm_const). Masked tokens (mask 0, including tokens a
   correction zeroes *through the weight*) keep their place in the denominator: a correction
   that rejects a token removes its gradient, not its share of the normaliser.
-* **kl** to a reference policy (k1, k2, k3 with rho = pi_ref / pi), in the loss.
+* **kl** to a reference policy in the loss: the value is a k1 / k2 / k3 estimate of
+  KL(pi || pi_ref) (rho = pi_ref / pi), the gradient that of KL(pi || pi_ref) (``kl_penalty``).
+* **DDP**: with ``totals`` (the normalisers summed over ranks) every aggregation gives, after
+  DDP's gradient average, the gradient of one process on the whole batch.
 
 ``PolicyLoss`` (``algo.loss`` in the config) holds one such choice, validates it at start-up
 and says which extra inputs the module must compute: ``needs_old_logprobs`` (decoupled anchor:
@@ -42,24 +45,47 @@ ANCHORS = ("bypass", "decoupled")
 KL_KINDS = ("k1", "k2", "k3")
 
 
+def batch_counts(mask: torch.Tensor) -> torch.Tensor:
+    """What the aggregations divide by, for one (local) batch: [tokens, sequences with at least
+    one token, sequences]. Under DDP the module sums these over ranks (``totals``)."""
+    return torch.stack(
+        [mask.sum(), (mask.sum(dim=1) > 0).sum().to(mask.dtype), mask.new_tensor(float(mask.shape[0]))]
+    )
+
+
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm_const: float | None = None
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    norm_const: float | None = None,
+    totals: torch.Tensor | None = None,
+    world_size: int = 1,
 ) -> torch.Tensor:
-    if mode == "token_mean":
-        return masked_mean(per_token, mask)
+    """Reduce ``[B, T]`` per-token losses to the scalar the optimizer follows.
+
+    ``totals`` (``batch_counts`` summed over ``world_size`` data-parallel ranks) makes each
+    rank's loss its share of the *global* aggregate, scaled by ``world_size`` so that DDP's
+    gradient average gives the gradient of one process on the whole batch. Without it the
+    batch is the whole batch.
+    """
+    if totals is None:
+        totals, world_size = batch_counts(mask), 1
+    tokens, seqs_with_tokens, seqs = (t.to(per_token.dtype) for t in totals)
     seq_tokens = mask.sum(dim=1)
     seq_sum = (per_token * mask).sum(dim=1)
-    has = seq_tokens > 0
+    if mode == "token_mean":
+        return seq_sum.sum() * world_size / tokens.clamp_min(1.0)
     if mode == "seq_mean_token_mean":
-        return (seq_sum[has] / seq_tokens[has]).mean() if has.any() else per_token.sum() * 0
+        has = seq_tokens > 0
+        return (seq_sum[has] / seq_tokens[has]).sum() * world_size / seqs_with_tokens.clamp_min(1.0)
     if mode == "seq_mean_token_sum":
-        return seq_sum.mean()
+        return seq_sum.sum() * world_size / seqs
     if mode == "seq_mean_token_sum_norm":
         if not norm_const:
             raise ValueError(
                 "algo.loss.aggregation=seq_mean_token_sum_norm needs algo.loss.norm_const (e.g. max_tokens)"
             )
-        return seq_sum.sum() / (per_token.shape[0] * norm_const)
+        return seq_sum.sum() * world_size / (seqs * norm_const)
     raise ValueError(f"algo.loss.aggregation={mode!r}: must be one of {', '.join(AGGREGATIONS)}")
 
 
@@ -133,7 +159,8 @@ def gmpo(logp, anchor, advantages, mask, eps: float = 0.4):
     per_token = -(seq_ratio * adv).expand_as(logp)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean((clipped != log_ratio).float(), mask),
+            # A = 0 tokens are not clipped (their sign zeroes the log-ratio, and their gradient)
+            "clip_frac": masked_mean(((clipped != log_ratio) & (adv != 0)).float(), mask),
             "ratio_mean": seq_ratio.mean(),
         }
     return per_token, metrics
@@ -150,15 +177,25 @@ def reinforce(logp, anchor, advantages, mask):
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from tokens sampled by pi; rho = pi_ref / pi."""
+    """Per-token KL(pi || pi_ref) term for the loss, on tokens sampled from pi.
+
+    Its *value* is the chosen estimator of KL(pi || pi_ref) (rho = pi_ref / pi): ``k1`` = -log
+    rho, ``k2`` = (log rho)^2 / 2, ``k3`` = rho - 1 - log rho (unbiased, low variance). Its
+    *gradient* is (log pi - log pi_ref) * grad log pi for every kind, whose expectation under pi
+    is exactly grad KL(pi || pi_ref). Differentiating the estimators themselves would not be:
+    k1's gradient has expectation 0 and k3's is the gradient of KL(pi_ref || pi); only k2's
+    matches, and that is the gradient used here.
+    """
     log_rho = (ref_logp.detach() - logp).clamp(-LOG_CLAMP, LOG_CLAMP)
     if kind == "k1":
-        return -log_rho
-    if kind == "k2":
-        return 0.5 * log_rho**2
-    if kind == "k3":
-        return log_rho.exp() - 1 - log_rho
-    raise ValueError(f"algo.loss.kl_kind={kind!r}: must be one of {', '.join(KL_KINDS)}")
+        value = -log_rho
+    elif kind == "k2":
+        value = 0.5 * log_rho**2
+    elif kind == "k3":
+        value = log_rho.exp() - 1 - log_rho
+    else:
+        raise ValueError(f"algo.loss.kl_kind={kind!r}: must be one of {', '.join(KL_KINDS)}")
+    return value.detach() + (-log_rho).detach() * (logp - logp.detach())
 
 
 # ---------------------------------------------------------------------------- assembled loss
@@ -180,13 +217,21 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_kind: str = "k3",
     kl_coef: float = 0.0,
+    totals: torch.Tensor | None = None,
+    world_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The training loss and its metrics (see module docstring)."""
+    """The training loss and its metrics (see module docstring).
+
+    In ``bypass`` mode ``old_logp`` may still be given: rows whose pi_old was recomputed by the
+    ``Recompute`` staleness policy (the module passes mu for the other rows), so their ratio
+    restarts at the current policy while mu stays the behaviour logprob of the weight.
+    ``totals`` / ``world_size``: global normalisers under DDP (``aggregate``).
+    """
     if anchor not in ANCHORS:
         raise ValueError(f"algo.loss.anchor={anchor!r}: must be one of {', '.join(ANCHORS)}")
     if anchor == "decoupled" and old_logp is None:
         raise ValueError("algo.loss.anchor=decoupled needs the trainer's pi_old logprobs (old_logp)")
-    pi_old = behavior_logp if anchor == "bypass" else old_logp
+    pi_old = behavior_logp if old_logp is None else old_logp
     correction = correction or NoCorrection()
     w, metrics = correction(
         (pi_old - behavior_logp).detach(),
@@ -203,14 +248,14 @@ def policy_loss(
     per_token = per_token * w
     if weights is not None:
         per_token = per_token * weights.detach()[:, None]
-    loss = aggregate(per_token, mask, aggregation, norm_const)
+    loss = aggregate(per_token, mask, aggregation, norm_const, totals, world_size)
     with torch.no_grad():
         # k3 estimate of KL(mu || pi) on the sampled tokens: r - 1 - log r, r = pi / mu.
         lr = _log_ratio(logp, behavior_logp)
         metrics["kl_behavior"] = masked_mean(lr.exp() - 1 - lr, mask)
     metrics.update(obj_metrics)
     if kl_coef and ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, aggregation, norm_const)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, aggregation, norm_const, totals, world_size)
         loss = loss + kl_coef * kl
         metrics["kl_ref"] = kl.detach()
     return loss, metrics
@@ -280,6 +325,8 @@ class PolicyLoss:
         weights: torch.Tensor | None = None,
         staleness: torch.Tensor | None = None,
         ref_logp: torch.Tensor | None = None,
+        totals: torch.Tensor | None = None,
+        world_size: int = 1,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return policy_loss(
             logp,
@@ -297,6 +344,8 @@ class PolicyLoss:
             ref_logp=ref_logp,
             kl_kind=self.kl_kind,
             kl_coef=self.kl_coef,
+            totals=totals,
+            world_size=world_size,
         )
 
 

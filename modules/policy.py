@@ -59,6 +59,21 @@ def token_logprobs(
     return logp, entropy
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off for good (RL forward passes run in train mode): with it, the trainer's
+    logprobs of the engine's own samples would be noisy and the on-policy ratio != 1."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "dropout", "hidden_dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The HF state dict the engine loads (tied ``lm_head`` omitted: vLLM ties it itself)."""
     sd = model.state_dict()

@@ -11,8 +11,71 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.config_errors import check
 
+# Fields that must be ints / numbers when present (null allowed where the default is null).
+# Checked first: a string or float where an int is meant would otherwise fail deep inside a
+# constructor or, worse, be accepted (range(2.5), a minibatch count of 2.0).
+INTS = (
+    "seed",
+    "torch_threads",
+    "trainer.max_steps",
+    "rollout.prompts_per_step",
+    "rollout.group_size",
+    "rollout.max_inflight",
+    "rollout.max_staleness",
+    "rollout.buffer_capacity",
+    "rollout.sampling.max_tokens",
+    "rollout.sampling.top_k",
+    "engine.max_model_len",
+    "engine.max_num_seqs",
+    "engine.cpu_kvcache_gb",
+    "algo.minibatches",
+    "algo.epochs",
+    "data.train_size",
+    "data.eval_size",
+    "data.eval_samples",
+    "data.eval_max_tokens",
+    "data.sync_every",
+    "data.batch_size",
+    "module.max_consecutive_skips",
+    "module.max_new_tokens",
+    "callbacks.eval.every_n_versions",
+    "callbacks.checkpoint.every_n_train_steps",
+)
+NUMBERS = (
+    "rollout.sampling.temperature",
+    "rollout.sampling.top_p",
+    "rollout.over_provision",
+    "rollout.max_age_s",
+    "module.temperature",
+    "module.optimizer.lr",
+    "engine.stall_timeout_s",
+    "engine.startup_timeout_s",
+    "engine.gpu_memory_utilization",
+    "data.sync_every_s",
+    "data.reward_timeout_s",
+    "algo.loss.kl_coef",
+    "algo.loss.norm_const",
+    "algo.objective.eps_low",
+    "algo.objective.eps_high",
+    "callbacks.weight_sync.tolerance",
+    "trainer.gradient_clip_val",
+)
+_ABSENT = object()
+
+
+def _check_types(cfg: DictConfig) -> None:
+    for fields, is_ok, what in (
+        (INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+        (NUMBERS, lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    ):
+        for field in fields:
+            value = OmegaConf.select(cfg, field, default=_ABSENT)
+            if value is not _ABSENT and value is not None:
+                check(field, value, is_ok(value), f"{what}, not {type(value).__name__}")
+
 
 def validate(cfg: DictConfig) -> None:
+    _check_types(cfg)
     trainer = cfg.get("trainer") or {}
     check(
         "trainer.max_steps",
@@ -39,6 +102,7 @@ def _validate_rl(cfg: DictConfig) -> None:
         module.temperature == rollout.sampling.temperature,
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
+    _check_not_degenerate(cfg)
     obj = algo.get("objective") or {}
     for side in ("eps_low", "eps_high"):
         if side in obj:
@@ -132,3 +196,37 @@ def _validate_rl(cfg: DictConfig) -> None:
 
 def _is_count(devices: object) -> bool:
     return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+
+
+def _check_not_degenerate(cfg: DictConfig) -> None:
+    """Settings that run without error but make the estimator learn nothing or nonsense."""
+    rollout, algo = cfg.rollout, cfg.algo
+    group_size = rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
+    if str(algo.advantage.get("_target_", "")).endswith("GroupAdvantage") and group_size >= 1:
+        check(
+            "rollout.group_size",
+            rollout.group_size,
+            rollout.group_size >= 2,
+            "an int >= 2 with group advantages (one response per prompt has advantage 0: "
+            "nothing would be learned); for single responses use algo/advantage=running",
+        )
+    obj = algo.get("objective") or {}
+    if obj.get("eps_low") is not None:
+        check(
+            "algo.objective.eps_low",
+            obj.eps_low,
+            obj.eps_low < 1,
+            "a float in [0, 1) (1 - eps_low is the lower clip bound of a probability ratio)",
+        )
+    lr = cfg.module.get("optimizer", {}).get("lr")
+    if lr is not None:
+        check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
+    tolerance = (cfg.get("callbacks") or {}).get("weight_sync", {}).get("tolerance")
+    if tolerance is not None:
+        check(
+            "callbacks.weight_sync.tolerance",
+            tolerance,
+            tolerance > 0,
+            "a float > 0 (the engine's logprobs never match the trainer's to the last bit)",
+        )
+    check("torch_threads", cfg.get("torch_threads", 1), cfg.get("torch_threads", 1) >= 1, "an int >= 1")

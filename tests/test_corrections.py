@@ -51,8 +51,13 @@ def test_hand_values_of_token_and_sequence_weights():
     assert torch.allclose(call(C.IcePop(0.5, 5.0), log_w, mask)[0], torch.tensor([[0.5, 4.0, 1.0]]))
     # V-trace: min(rho_bar, w_t) * prod_{s<t} min(c_bar, w_s)
     assert torch.allclose(call(C.VTrace(1.0, 1.0), log_w, mask)[0], torch.tensor([[0.5, 0.5, 0.5]]))
+    # lag is a gate: gamma ** staleness times the token behaviour weight pi_old / mu
     lag = call(C.LagWeight(0.5), log_w, mask, staleness=torch.tensor([2]))[0]
-    assert torch.allclose(lag, torch.full((1, 3), 0.25))
+    assert torch.allclose(lag, 0.25 * torch.tensor([[0.5, 4.0, 1.0]]))
+    assert torch.allclose(
+        call(C.LagWeight(0.5), torch.zeros(1, 3), mask, staleness=torch.tensor([2]))[0],
+        torch.full((1, 3), 0.25),
+    )
 
 
 def test_padding_is_ignored_by_sequence_weights():

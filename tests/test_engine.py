@@ -201,3 +201,31 @@ def test_carry_over_across_weight_update_matches_each_policy(engine, models, inf
     got = torch.tensor(logprobs)
     assert (got[:split] - lp_old[:split]).abs().max() < 1e-4
     assert (got[split:] - lp_new[split:]).abs().max() < 1e-4
+
+
+def test_a_slow_completion_callback_does_not_stall_the_engine(engine, models):
+    """Streaming scores rewards in completion callbacks (``Engine.on_done``). They run on the
+    engine's callback thread, never on the event loop that drives vLLM: while one sleeps,
+    other requests finish and a weight sync completes at their usual speed."""
+    import threading
+
+    _, tok = load_policy(models["tied"])
+    policy, _ = load_policy(models["tied"])
+    weights = named_weights(policy)  # the weights the engine serves already
+    prompt = tok("12%5=")["input_ids"]
+    sampling = SamplingConfig(max_tokens=8)
+    sleeping = threading.Event()
+
+    def slow_reward(fut):
+        sleeping.set()
+        time.sleep(5.0)
+
+    engine.on_done(engine.submit(prompt, sampling, seed=1), slow_reward)
+    assert sleeping.wait(60)
+    t0 = time.monotonic()
+    engine.wait_result(engine.submit(prompt, sampling, seed=2), timeout=60)
+    other_request_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    engine.update_weights(weights, engine.version + 1)
+    sync_s = time.monotonic() - t0
+    assert other_request_s < 2.0 and sync_s < 3.0, (other_request_s, sync_s)

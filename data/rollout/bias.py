@@ -7,7 +7,9 @@ response, trained or not) and *trained*, plus the staleness of trained samples p
 bucket. Metrics (cumulative since the start of the run):
 
 * ``bias/len_kl_trained_vs_issued``: KL(trained || generated) over length buckets, in nats;
-  0 when every generated response is trained in proportion (sync mode).
+  0 when every generated response is trained in proportion (sync mode). A length is only
+  known once a response is generated, so the reference is every generated response (trained
+  or not), the closest observable stand-in for what was issued.
 * ``bias/level_kl_trained_vs_issued``: the same over difficulty levels, against issued.
 * ``bias/staleness_long_minus_short``: mean staleness of trained samples in the longest
   occupied length bucket minus the shortest.
@@ -49,6 +51,16 @@ class BiasTracker:
         self.trained_lengths: Counter = Counter()
         self.trained_levels: Counter = Counter()
         self.staleness_sum: Counter = Counter()
+
+    COUNTERS = ("issued_levels", "generated_lengths", "trained_lengths", "trained_levels", "staleness_sum")
+
+    def state_dict(self) -> dict[str, list[list]]:
+        """Plain lists of [key, count] (keys may be None), so checkpoints load with weights_only."""
+        return {name: [[k, v] for k, v in getattr(self, name).items()] for name in self.COUNTERS}
+
+    def load_state_dict(self, state: dict[str, list[list]]) -> None:
+        for name in self.COUNTERS:
+            setattr(self, name, Counter({k: v for k, v in state.get(name, [])}))
 
     def on_issue(self, level: int | None) -> None:
         self.issued_levels[level] += 1

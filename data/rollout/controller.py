@@ -283,10 +283,12 @@ class RolloutController:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_group_id": self.next_group_id}
+        return {"next_group_id": self.next_group_id, "bias": self.bias.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_group_id = int(state["next_group_id"])
+        if "bias" in state:
+            self.bias.load_state_dict(state["bias"])
 
 
 def merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

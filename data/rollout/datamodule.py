@@ -273,6 +273,7 @@ class RolloutDataModule(L.LightningDataModule):
             return {
                 "prompts": prompts,
                 "rollout": self.rollout.state_dict(),
+                "advantage": self.advantage.state_dict(),  # e.g. running baselines
                 "shuffle_rng": python_state(self.shuffle_rng.getstate()),
             }
 
@@ -286,6 +287,7 @@ class RolloutDataModule(L.LightningDataModule):
         if state.get("prompts") and self.prompts is not None:
             self.prompts.load_state_dict(state["prompts"])
         self.rollout.load_state_dict(state["rollout"])
+        self.advantage.load_state_dict(state.get("advantage", {}))
         if state.get("shuffle_rng") is not None:
             self.shuffle_rng.setstate(python_state_tuple(state["shuffle_rng"]))
 

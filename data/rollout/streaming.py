@@ -14,9 +14,10 @@ What happens to requests still generating when weights change is ``inflight``:
 which), ``abort`` (resubmit prompt + partial response; logprobs and versions stitched), or
 ``wait`` (the update waits for them: a generation boundary).
 
-Completion callbacks run on the engine's event-loop thread; all state is guarded by one
-re-entrant condition. Errors raised there (a reward function, a dead engine) are stored and
-re-raised in the trainer's ``next_batch`` at once.
+Completion callbacks run on the engine's callback thread (``Engine.on_done``: never the
+event loop that drives generation, so a slow reward cannot stall the engine or a weight
+sync); all state is guarded by one re-entrant condition. Errors raised there (a reward
+function, a dead engine) are stored and re-raised in the trainer's ``next_batch`` at once.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class StreamingRollout(RolloutController):
 
     def _track(self, fut: cf.Future, p: Pending) -> None:
         self._requests[fut] = p
-        fut.add_done_callback(self._on_done)
+        self.ctx.engine.on_done(fut, self._on_done)  # scored off the engine's event loop
 
     def _on_done(self, fut: cf.Future) -> None:
         exp = None
@@ -254,8 +255,13 @@ class StreamingRollout(RolloutController):
         now = time.time()
         if self.max_age_s is not None:
             for r in [r for r in self._buffer if now - r.completed_at > self.max_age_s]:
+                # Too old to train: a whole group's prompt goes back to the front of the stream,
+                # to be generated again with fresher weights (nothing is lost, even under
+                # Admit). A single response of a running-baseline group is only discarded.
                 self._buffer.remove(r)
                 self.counters["expired"] += 1
+                if self._units_per_group == 1:
+                    self.ctx.prompts.requeue([self.ctx.prompts.index_of(r.exps[0].extras["row"])])
         # 1) A dropping policy removes too-stale groups as soon as they are seen.
         if self.staleness.drops:
             for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:
@@ -335,8 +341,28 @@ class StreamingRollout(RolloutController):
             return [prompts.index_of(row) for row in rows.values()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "started_groups": self.started_groups}
+        """Everything that changes what is trained next. Outstanding groups are re-issued on
+        resume (their prompts are re-queued), so they are taken out of the issued counts."""
+        with self._cv:
+            state = super().state_dict()
+            levels = {gid: g.row.get("level") for gid, g in self._groups.items()}
+            for r in self._buffer:
+                levels.setdefault(r.group_id, r.level)
+            issued = dict(self.bias.issued_levels)
+            for level in levels.values():  # each outstanding group is issued again, G samples
+                issued[level] -= self.group_size
+            state["bias"]["issued_levels"] = [[k, v] for k, v in issued.items()]
+            return {
+                **state,
+                "started_groups": self.started_groups,
+                "taken": [self._taken_at, self._taken_count],  # admission control's count
+                "trained_levels": [[k, v] for k, v in self._trained_levels.items()],  # reweighting
+                "counters": dict(self.counters),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.started_groups = int(state.get("started_groups", 0))
+        self._taken_at, self._taken_count = (int(x) for x in state.get("taken", (-1, 0)))
+        self._trained_levels = {k: v for k, v in state.get("trained_levels", [])}
+        self.counters.update(state.get("counters", {}))

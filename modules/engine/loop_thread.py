@@ -1,4 +1,7 @@
-"""A daemon thread that runs its own asyncio event loop, for an async engine driven from sync code.
+"""Threads of the vLLM engine: its asyncio event loop, and the thread completion callbacks run on.
+
+``LoopThread``: a daemon thread that runs its own asyncio event loop, for an async engine
+driven from sync code.
 
 The trainer thread never touches asyncio: it hands coroutines to ``run`` (thread-safe) and
 waits on the returned ``concurrent.futures.Future``. ``start`` runs a build coroutine first
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import queue
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -73,3 +77,32 @@ class LoopThread:
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=timeout_s)
+
+
+class CallbackThread:
+    """Runs completion callbacks (reward scoring, group assembly) in order on one daemon
+    thread, off the engine's event loop: a slow reward must not stall vLLM's output handling,
+    new submissions or weight-sync calls, which all run on that loop."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            fn(fut)  # callbacks handle their own errors (the controller stores them)
+
+    def on_done(self, fut: cf.Future, fn: Callable[[cf.Future], None]) -> None:
+        """Call ``fn(fut)`` on this thread once ``fut`` is done."""
+        fut.add_done_callback(lambda f: self._queue.put((fn, f)))
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop after the queued callbacks; a callback that hangs is left behind after
+        ``timeout_s`` (a daemon thread: it cannot keep the process alive)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)

@@ -106,6 +106,9 @@ class SimEngine:
         if self.dead:
             raise EngineError("scripted engine killed")
 
+    def on_done(self, fut: cf.Future, fn) -> None:
+        fut.add_done_callback(fn)  # synchronous: the virtual clock stops while it runs
+
     def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
         """Jump the clock to the next completion until one of ``pending`` is done."""
         while not any(f.done() for f in pending):

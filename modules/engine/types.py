@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +99,10 @@ class Engine(Protocol):
         prompt_logprobs: bool = False,
     ) -> cf.Future:
         """Start one request; the future resolves to a ``Completion``."""
+
+    def on_done(self, fut: cf.Future, fn: Callable[[cf.Future], None]) -> None:
+        """Call ``fn(fut)`` once ``fut`` is done, in completion order, never on the thread
+        that drives generation (a slow callback, e.g. a reward, must not stall the engine)."""
 
     def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
         """Block until at least one of ``pending`` is done; raise ``EngineError`` if the

@@ -27,12 +27,16 @@ from typing import TYPE_CHECKING, Any
 from modules.config_errors import check, check_choice
 from modules.engine import reaper
 from modules.engine.busy import BusyClock
-from modules.engine.loop_thread import LoopThread
+from modules.engine.loop_thread import CallbackThread, LoopThread
 from modules.engine.placement import CorePinning, configure_engine_env
 from modules.engine.types import INFLIGHT_MODES, Completion, EngineError, SamplingConfig, WeightTransfer
 
 if TYPE_CHECKING:
     import torch
+
+# How long the engine core may take to exit after SIGTERM before vLLM force-kills it (vLLM's
+# own default, 5 s, is about what a loaded 2-core machine needs: measured 4.6 s idle).
+SHUTDOWN_GRACE_S = 30.0
 
 
 class VLLMEngine:
@@ -98,6 +102,7 @@ class VLLMEngine:
         self._reaper: Any = None
 
         self._thread: LoopThread | None = None  # runs AsyncLLM's event loop, from start()
+        self._callbacks: CallbackThread | None = None  # completion callbacks, off the loop
         self._llm: Any = None
         self._ids = itertools.count()
         self.version = 0
@@ -131,6 +136,7 @@ class VLLMEngine:
         except BaseException:  # failure, timeout or Ctrl-C during start-up: leave nothing behind
             self.shutdown()
             raise
+        self._callbacks = CallbackThread("asyncrl-completions")
         self.started_at = time.time()
         # If the trainer dies without shutting the engine down, the reaper kills its processes.
         self._reaper = reaper.watch_children(children_before)
@@ -178,11 +184,11 @@ class VLLMEngine:
             # Cancel the output handler before the core goes away, inside the engine's loop,
             # so vLLM does not report the intended shutdown as an engine death.
             try:
-                thread.run(_shutdown_llm(llm)).result(timeout=60)
+                thread.run(_shutdown_llm(llm)).result(timeout=SHUTDOWN_GRACE_S + 30)
             except Exception:
-                llm.shutdown()
+                llm.shutdown(timeout=SHUTDOWN_GRACE_S)
         elif llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=SHUTDOWN_GRACE_S)
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None
@@ -193,13 +199,10 @@ class VLLMEngine:
         if thread is not None:
             thread.stop()
         self._thread = None
+        if self._callbacks is not None:
+            self._callbacks.stop()
+            self._callbacks = None
         self.pinning.release()  # the next engine in this process (a multirun job) starts clean
-
-    def __enter__(self) -> VLLMEngine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ health
     def check_health(self) -> None:
@@ -252,6 +255,10 @@ class VLLMEngine:
                     f"no response finished within engine.stall_timeout_s={self.stall_timeout_s:g} s "
                     f"({len(pending)} requests in flight): engine stalled"
                 )
+
+    def on_done(self, fut: cf.Future, fn: Any) -> None:
+        assert self._callbacks is not None, "engine not started"
+        self._callbacks.on_done(fut, fn)
 
     def wait_on(self, cv: threading.Condition) -> None:
         cv.wait(timeout=self.health_poll_s)
@@ -334,11 +341,10 @@ class VLLMEngine:
         return comp
 
     def score(self, sequence: list[int]) -> list[float]:
-        """Engine logprob (temperature 1) of each token of ``sequence`` after the first.
-
-        Uses vLLM prompt logprobs, which ignore sampling temperature. Used to verify a
-        weight sync against the trainer's ``token_logprobs(..., temperature=1)``.
-        """
+        """Engine logprob (temperature 1, vLLM prompt logprobs) of each token of ``sequence``
+        after the first; to verify a weight sync against the trainer's logprobs. vLLM needs room
+        for one generated token, so at most ``max_model_len - 1`` tokens are scored."""
+        sequence = list(sequence)[: self.max_model_len - 1]
         sampling = SamplingConfig(temperature=1.0, max_tokens=1)
         comp = self.wait_result(self.submit(sequence, sampling, seed=0, prompt_logprobs=True), 120)
         assert comp.prompt_logprobs is not None
@@ -350,15 +356,10 @@ class VLLMEngine:
     ) -> float:
         """Load new policy weights (HF names) and label them ``version``. Returns seconds.
 
-        ``inflight`` says what happens to requests still generating:
-        ``keep``: frozen, then continued with the new weights (tokens carry both versions;
-        the KV cache is cleared, so later tokens are computed by the new policy alone);
-        ``abort``: they finish now with ``finish_reason="abort"`` and their partial tokens
-        (the rollout controller resubmits prompt + partial response);
-        ``wait``: the update waits until they finish (a generation boundary).
-
-        The tensors travel by the engine's ``WeightTransfer``: a safetensors file in /dev/shm
-        (``weight_transfer="shm"``) or an NCCL broadcast from the trainer's GPU (``"nccl"``).
+        Requests still generating (``inflight``): ``keep``: continued with the new weights (the
+        KV cache is cleared; spans record which tokens each version made); ``abort``: finished
+        now with their partial tokens (the controller resubmits them); ``wait``: the update
+        waits for them. The tensors travel by the engine's ``WeightTransfer`` (shm or NCCL).
         """
         check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
         assert self._transfer is not None, "engine not started"
@@ -388,7 +389,7 @@ async def _shutdown_llm(llm: Any) -> None:
     handler = getattr(llm, "output_handler", None)
     if handler is not None:
         handler.cancel()
-    llm.shutdown()
+    llm.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 def _as_version(v: Any) -> int:

