@@ -118,6 +118,15 @@ class WeightSync(L.Callback):
             self.synced_step = trainer.global_step
 
 
+class EngineStats(L.Callback):
+    """The engine's ``perf/engine_idle_frac`` and ``perf/tokens_per_s`` (since it started),
+    logged after every optimizer step (rank 0 owns the engine; the other ranks log nothing)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        for key, value in trainer.datamodule.engine_stats().items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+
+
 class HeldOutEval(L.Callback):
     """Greedy held-out reward from the engine: at start, every N policy versions, at the end.
 

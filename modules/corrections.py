@@ -14,7 +14,8 @@ Selected with ``algo/correction=<name>`` (``conf/algo/correction/``). What each 
 * ``tis`` (cap C, default 2): token IS truncated at C. Lower variance, extra bias.
 * ``seq_is`` / ``tseq_is``: product of token ratios over the response (truncated at C).
   Unbiased (untruncated) for the sequence-level objective; variance grows fast with length.
-* ``geo_seq_is``: exp(mean_t log w): a per-sequence weight that behaves like token IS.
+* ``geo_seq_is``: exp(mean_t log w): a per-sequence weight; no middle ground between token and
+  sequence IS (on the exact-gradient harness it behaves like no correction).
 * ``mis`` (lower, upper, level token|sequence|geometric): masked IS: the weight where the
   ratio is inside [lower, upper], zero outside (rejection of extreme samples).
 * ``icepop`` (alpha 0.5, beta 5): token ratio kept inside [alpha, beta], zero outside.
@@ -94,6 +95,7 @@ class Correction(ABC):
     uses_pi_old_over_mu = True
     gate = False
     per_sequence = False
+    cap: float | None = None  # truncation C of the weight (gates: of the pi_old / mu they multiply)
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
@@ -105,11 +107,18 @@ class Correction(ABC):
     def __call__(self, log_w: torch.Tensor, mask: torch.Tensor, **ctx: torch.Tensor) -> tuple:
         log_w = log_w.detach()
         w = self.weights(log_w, mask, ctx).detach() * mask
+        per_sequence = self.per_sequence
+        if self.gate and bool(((log_w * mask) != 0).any()):  # decoupled: pi_old / mu != 1
+            w = w * self.behaviour_weight(log_w)  # now a token-level weight
+            per_sequence = False
         if self.self_normalize:
-            w = self_normalized(w, mask, self.per_sequence)
-        if self.gate:
-            w = w * _exp(log_w)
+            w = self_normalized(w, mask, per_sequence)
         return w, diagnostics(w, mask, log_w)
+
+    def behaviour_weight(self, log_w: torch.Tensor) -> torch.Tensor:
+        """The token weight pi_old / mu a gate multiplies (capped at ``cap`` when set)."""
+        w = _exp(log_w)
+        return w if self.cap is None else w.clamp(max=self.cap)
 
 
 def self_normalized(w: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch.Tensor:
@@ -201,9 +210,10 @@ class DeepSeekSequenceMask(Correction):
     gate = True
     per_sequence = True
 
-    def __init__(self, delta: float = 0.1, self_normalize: bool = False) -> None:
+    def __init__(self, delta: float = 0.1, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
         self.delta = delta
+        self.cap = cap  # truncation of the behaviour weight pi_old / mu it multiplies
 
     def weights(self, log_w, mask, ctx):
         log_mu_over_pi = ctx["behavior_logp"] - ctx["logp"].detach()
@@ -251,9 +261,10 @@ class LagWeight(Correction):
     gate = True
     per_sequence = True
 
-    def __init__(self, gamma: float = 0.9, self_normalize: bool = False) -> None:
+    def __init__(self, gamma: float = 0.9, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
         self.gamma = gamma
+        self.cap = cap  # truncation of the behaviour weight pi_old / mu it multiplies
 
     def weights(self, log_w, mask, ctx):
         return (self.gamma ** ctx["staleness"].float())[:, None].expand_as(log_w)

@@ -14,14 +14,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from modules.config_errors import check
-from modules.engine.placement import parse_cores
+from modules.engine.placement import names_cores, parse_cores
 from modules.policy import is_hub_id
 
 
 def check_environment(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
-    if ckpt is not None:
-        check("ckpt_path", ckpt, Path(str(ckpt)).is_file(), "null or an existing checkpoint file")
+    if ckpt is not None and ckpt not in ("last", "best", "hpc", "registry"):  # Lightning's names
+        check("ckpt_path", ckpt, Path(str(ckpt)).is_file(), "null, last, or an existing checkpoint file")
     if not str(cfg.module.get("_target_", "")).endswith("GRPOModule"):
         return  # the SFT recipe builds its model when the directory is empty
     for field in ("module.model_path", "module.ref_model_path"):
@@ -34,14 +34,32 @@ def check_environment(cfg: DictConfig) -> None:
                 "a model directory (with config.json) or a hub id; the RL recipes start from "
                 "the SFT warm start: run `make sft` first",
             )
+    _check_context_length(cfg)
     _check_machine(cfg)
+
+
+def _check_context_length(cfg: DictConfig) -> None:
+    """vLLM refuses an ``engine.max_model_len`` beyond the model's positions (at engine start)."""
+    path = Path(str(cfg.module.model_path), "config.json")
+    if not path.is_file():
+        return  # a hub id: its config is only known once downloaded
+    import json
+
+    positions = json.loads(path.read_text()).get("max_position_embeddings")
+    if isinstance(positions, int):
+        check(
+            "engine.max_model_len",
+            cfg.engine.max_model_len,
+            cfg.engine.max_model_len <= positions,
+            f"<= {positions}, the max_position_embeddings of {cfg.module.model_path}",
+        )
 
 
 def _check_machine(cfg: DictConfig) -> None:
     engine, trainer = cfg.engine, cfg.trainer
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     cores = engine.get("cpu_cores")
-    if engine.get("gpu_ids") is None and cores and usable is not None:
+    if engine.get("gpu_ids") is None and names_cores(cores) and usable is not None:
         try:
             wanted = parse_cores(str(cores))
         except ValueError:

@@ -25,9 +25,32 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
+from modules.kl_reward import KLRewardPenalty
 from modules.losses import PolicyLoss, batch_counts
 from modules.policy import disable_dropout, load_policy, named_weights, token_logprobs
 from modules.schedules import optimizers
+
+
+def reduce_over_ranks(values: dict[str, Any], device: torch.device, world: int) -> dict[str, torch.Tensor]:
+    """Loss metrics over all DDP ranks in two collectives: the max of ``*_max`` / ``*/max_*``
+    keys, the min of ``*_min`` keys, the mean of the rest (each rank's loss is its share of the
+    global loss, so their mean is the global loss)."""
+    import torch.distributed as dist
+
+    names = list(values)
+    t = torch.stack(
+        [torch.as_tensor(values[n], dtype=torch.float64, device=device).reshape(()) for n in names]
+    )
+    is_max = torch.tensor([n.endswith("_max") or "/max_" in n for n in names], device=device)
+    is_min = torch.tensor([n.endswith("_min") for n in names], device=device)
+    low = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
+    extremes = torch.cat([torch.where(is_max, t, low), torch.where(is_min, -t, low)])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    sums = torch.where(is_max | is_min, torch.zeros_like(t), t)
+    dist.all_reduce(sums)
+    n = len(names)
+    out = torch.where(is_max, extremes[:n], torch.where(is_min, -extremes[n:], sums / world))
+    return {name: out[i] for i, name in enumerate(names)}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,14 +67,17 @@ class GRPOModule(L.LightningModule):
         scheduler: partial | None = None,
         ref_model_path: str | None = None,
         max_consecutive_skips: int = 3,
+        kl_reward: KLRewardPenalty | None = None,
     ) -> None:
         super().__init__()
         check("module.temperature", temperature, temperature > 0, "a float > 0")
+        self.kl_reward = kl_reward or KLRewardPenalty()
         check(
             "module.ref_model_path",
             ref_model_path,
-            not loss.needs_reference or ref_model_path is not None,
-            "a model path when algo.loss.kl_coef > 0 (the KL needs a reference policy)",
+            not (loss.needs_reference or self.kl_reward.enabled) or ref_model_path is not None,
+            "a model path when algo.loss.kl_coef > 0 or algo.kl_reward.coef > 0 (the KL needs a "
+            "reference policy)",
         )
         check(
             "module.max_consecutive_skips", max_consecutive_skips, max_consecutive_skips >= 1, "an int >= 1"
@@ -74,6 +100,7 @@ class GRPOModule(L.LightningModule):
         self.last_weight_sync_s = 0.0
         self.last_weight_sync_diff = 0.0  # engine vs trainer logprobs after the last sync
         self.last_rank_weight_diff = 0.0  # DDP: weight fingerprint spread across ranks
+        self.last_kl_reward_penalty = 0.0  # mean KL reward penalty of the current rollout batch
         self._t_start: float | None = None
         self._samples_at_start = 0
         self._wait_s = 0.0
@@ -108,12 +135,8 @@ class GRPOModule(L.LightningModule):
         mask = batch["loss_mask"]
         behavior = batch["behavior_logprobs"]
         extra = {"old_logp": batch["old_logprobs"]} if "old_logprobs" in batch else {}
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                self.ref_policy.to(self.device)
-                extra["ref_logp"], _ = token_logprobs(
-                    self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
-                )
+        if self.loss_fn.needs_reference:
+            extra["ref_logp"] = self.ref_logprobs(batch)
         totals, world = self._global_counts(mask)
         loss, metrics = self.loss_fn(
             logp,
@@ -121,7 +144,7 @@ class GRPOModule(L.LightningModule):
             batch["advantages"],
             mask,
             weights=batch["weights"],
-            staleness=batch.get("staleness"),
+            staleness=batch["staleness"],
             totals=totals,
             world_size=world,
             **extra,
@@ -178,14 +201,16 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         bs = int(mask.shape[0])
         log = partial(self.log, on_step=True, on_epoch=False, batch_size=bs)
-        # Under DDP: the mean over ranks (each rank's loss is its share of the global loss, so
-        # their mean is the global loss; metrics are averaged over the ranks' shards).
-        synced = partial(log, sync_dist=self._trainer is not None and self._trainer.world_size > 1)
-        synced("train/loss", loss.detach())
-        for k, v in metrics.items():
-            synced(k if "/" in k else f"train/{k}", v)  # is/*, mismatch/* keep their group
-        synced("train/entropy", (entropy * mask).sum() / mask.sum().clamp_min(1))
-        synced("train/advantage_abs_mean", batch["advantages"].abs().mean())
+        values = {"train/loss": loss.detach()}
+        values.update({k if "/" in k else f"train/{k}": v for k, v in metrics.items()})  # is/*, mismatch/*
+        values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp_min(1)
+        values["train/advantage_abs_mean"] = batch["advantages"].abs().mean()
+        if self.kl_reward.enabled:
+            values["train/kl_reward_penalty"] = self.last_kl_reward_penalty
+        if self._trainer is not None and self._trainer.world_size > 1:
+            values = reduce_over_ranks(values, self.device, self._trainer.world_size)
+        for k, v in values.items():
+            log(k, v)
         stats = batch.get("rollout_stats") or {}
         for k, v in stats.items():
             log(k, float(v), prog_bar=k in ("train/reward_mean", "rollout/buffer_size"))
@@ -229,7 +254,18 @@ class GRPOModule(L.LightningModule):
             elif flagged.any():
                 fresh = self.old_logprobs(batch)
                 batch["old_logprobs"] = torch.where(flagged[:, None], fresh, batch["behavior_logprobs"])
+        if self.kl_reward.enabled:
+            self.last_kl_reward_penalty = self.kl_reward.apply(steps, self.ref_logprobs)
         return steps
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The reference policy's logprobs of the batch's tokens."""
+        self.ref_policy.to(self.device)
+        logp, _ = token_logprobs(
+            self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
+        )
+        return logp
 
     @torch.no_grad()
     def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:

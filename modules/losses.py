@@ -182,9 +182,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     Its *value* is the chosen estimator of KL(pi || pi_ref) (rho = pi_ref / pi): ``k1`` = -log
     rho, ``k2`` = (log rho)^2 / 2, ``k3`` = rho - 1 - log rho (unbiased, low variance). Its
     *gradient* is (log pi - log pi_ref) * grad log pi for every kind, whose expectation under pi
-    is exactly grad KL(pi || pi_ref). Differentiating the estimators themselves would not be:
-    k1's gradient has expectation 0 and k3's is the gradient of KL(pi_ref || pi); only k2's
-    matches, and that is the gradient used here.
+    at a given prefix is exactly the gradient of that token's KL(pi(.|prefix) || pi_ref(.|prefix)).
+    Differentiating the estimators themselves would not be: k1's gradient has expectation 0 and
+    k3's is the gradient of KL(pi_ref || pi); only k2's matches, and that is the gradient used
+    here. Summed over a response it is the per-token KL's gradient with the prefixes held fixed,
+    not the sequence KL's (which also moves the prefixes: put the KL in the reward for that,
+    ``modules/kl_reward.py``); tokens sampled from a stale mu get no IS weight here.
     """
     log_rho = (ref_logp.detach() - logp).clamp(-LOG_CLAMP, LOG_CLAMP)
     if kind == "k1":
@@ -224,7 +227,8 @@ def policy_loss(
 
     In ``bypass`` mode ``old_logp`` may still be given: rows whose pi_old was recomputed by the
     ``Recompute`` staleness policy (the module passes mu for the other rows), so their ratio
-    restarts at the current policy while mu stays the behaviour logprob of the weight.
+    restarts at the current policy. Bypass has no behaviour weight: the correction still sees
+    pi_old / mu = 1 (a gate acts alone), and ``mismatch/*`` measures pi against mu.
     ``totals`` / ``world_size``: global normalisers under DDP (``aggregate``).
     """
     if anchor not in ANCHORS:
@@ -233,13 +237,14 @@ def policy_loss(
         raise ValueError("algo.loss.anchor=decoupled needs the trainer's pi_old logprobs (old_logp)")
     pi_old = behavior_logp if old_logp is None else old_logp
     correction = correction or NoCorrection()
+    log_w = (pi_old - behavior_logp).detach() if anchor == "decoupled" else torch.zeros_like(logp)
     w, metrics = correction(
-        (pi_old - behavior_logp).detach(),
+        log_w,
         mask,
         logp=logp.detach(),
         behavior_logp=behavior_logp,
         advantages=advantages,
-        staleness=staleness if staleness is not None else torch.zeros(len(logp)),
+        staleness=staleness if staleness is not None else torch.zeros(len(logp), device=logp.device),
     )
     if anchor == "bypass":  # w is 1 here; still report how far pi has moved from mu
         drift = diagnostics(w, mask, (logp.detach() - behavior_logp).clamp(-LOG_CLAMP, LOG_CLAMP))

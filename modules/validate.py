@@ -54,6 +54,7 @@ NUMBERS = (
     "data.sync_every_s",
     "data.reward_timeout_s",
     "algo.loss.kl_coef",
+    "algo.kl_reward.coef",
     "algo.loss.norm_const",
     "algo.objective.eps_low",
     "algo.objective.eps_high",
@@ -96,6 +97,18 @@ def _validate_rl(cfg: DictConfig) -> None:
         isinstance(max_tokens, int) and max_tokens + 16 <= engine.max_model_len,
         f"an int that leaves room for the prompt within engine.max_model_len={engine.max_model_len}",
     )
+    eval_tokens = cfg.data.get("eval_max_tokens")
+    if eval_tokens is not None:
+        check(
+            "data.eval_max_tokens",
+            eval_tokens,
+            1 <= eval_tokens and eval_tokens + 16 <= engine.max_model_len,
+            f"null or an int >= 1 that leaves room for the prompt within engine.max_model_len="
+            f"{engine.max_model_len}",
+        )
+    util = engine.get("gpu_memory_utilization")
+    if util is not None:
+        check("engine.gpu_memory_utilization", util, 0 < util <= 1, "a float in (0, 1]")
     check(
         "module.temperature",
         module.temperature,
@@ -113,6 +126,14 @@ def _validate_rl(cfg: DictConfig) -> None:
         check("algo.objective.dual_clip", obj.dual_clip, obj.dual_clip > 1, "null or a float > 1")
     if "eps" in obj:
         check("algo.objective.eps", obj.eps, obj.eps > 0, "a float > 0")
+    staleness = str((rollout.get("staleness") or {}).get("_target_", ""))
+    check(
+        "rollout.staleness",
+        staleness.rsplit(".", 1)[-1],
+        not (staleness.endswith("Recompute") and algo.loss.get("anchor") == "decoupled"),
+        "drop, downweight or admit with algo.loss.anchor=decoupled (decoupled PPO already "
+        "anchors every sample at the current policy: Recompute would change nothing)",
+    )
     corr = algo.get("correction") or {}
     for key in ("cap", "rho_bar", "c_bar", "delta", "tau", "alpha", "beta"):
         if corr.get(key) is not None:
@@ -185,6 +206,14 @@ def _validate_rl(cfg: DictConfig) -> None:
     )
     world = len(devices) if OmegaConf.is_list(devices) else devices if _is_count(devices) else 1
     world *= int(cfg.trainer.get("num_nodes") or 1)
+    kl_reward = (algo.get("kl_reward") or {}).get("coef") or 0
+    check(
+        "algo.kl_reward.coef",
+        kl_reward,
+        not kl_reward or world == 1 or prompts % world == 0,
+        f"0 unless rollout.prompts_per_step={prompts} is a multiple of the {world} ranks (each rank "
+        "must hold whole groups to recompute their advantages from the shaped rewards)",
+    )
     check(
         "trainer.devices",
         devices,

@@ -99,3 +99,20 @@ def test_every_core_for_the_engine_leaves_the_trainer_none(models):
 
 def test_a_sane_environment_passes(models):
     check_environment(compose([f"model.path={models['tied']}"]))
+
+
+def test_context_beyond_the_models_positions_is_rejected(models):
+    cfg = compose([f"model.path={models['tied']}", "engine.max_model_len=4096"])  # the model has 512
+    with pytest.raises(ConfigError, match="engine.max_model_len"):
+        check_environment(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("+data.eval_max_tokens=1000", "data.eval_max_tokens"),
+        ("+engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization"),
+    ],
+)
+def test_more_out_of_range_values_are_rejected(override, field):
+    assert field in rejected([override])

@@ -159,18 +159,43 @@ def test_gmpo_does_not_count_zero_advantage_tokens_as_clipped():
     assert float(m["clip_frac"]) == 0.0
 
 
-def test_recompute_in_bypass_keeps_mu_for_the_behaviour_weight():
-    """Recomputed rows anchor the ratio at the current policy, and the behaviour weight sees
-    pi_old / mu (a gate multiplies it), instead of mu being overwritten with pi_old."""
+def test_recompute_keeps_mu_for_the_behaviour_weight_and_the_drift_metrics():
+    """Recomputed rows anchor the ratio at the current policy; mu is never overwritten: in
+    decoupled mode the behaviour weight pi_old / mu still corrects them, in bypass mode (no
+    behaviour weight, even for a gate) ``mismatch/*`` still shows how stale they were."""
     mu = torch.tensor([[-2.0, -2.0]])
     fresh = torch.tensor([[-1.0, -1.0]])  # the current policy, before the update
-    logp = fresh.clone().requires_grad_(True)
-    loss, metrics = policy_loss(
-        logp, mu, torch.tensor([1.0]), torch.ones(1, 2), correction=C.LagWeight(1.0), old_logp=fresh
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    _, bypass = policy_loss(fresh.clone(), mu, adv, mask, correction=C.LagWeight(1.0), old_logp=fresh)
+    assert float(bypass["ratio_mean"]) == pytest.approx(1.0)  # ratio pi / pi_old restarts at 1
+    assert float(bypass["is/weight_mean"]) == pytest.approx(1.0)  # no uncapped IS in bypass
+    assert abs(float(bypass["mismatch/k1"])) == pytest.approx(1.0)  # pi vs mu: the drift stays visible
+    _, dec = policy_loss(
+        fresh.clone(), mu, adv, mask, correction=C.TokenIS(), anchor="decoupled", old_logp=fresh
     )
-    assert float(metrics["ratio_mean"]) == pytest.approx(1.0)  # ratio pi / pi_old restarts at 1
-    assert float(metrics["is/weight_mean"]) == pytest.approx(float(torch.e))  # pi_old / mu = e
-    assert float(metrics["mismatch/k1"]) != 0.0
+    assert float(dec["is/weight_mean"]) == pytest.approx(float(torch.e))  # pi_old / mu = e
+
+
+def test_the_module_never_overwrites_mu(models):
+    from modules.config import build
+    from tests.conftest import compose
+    from tests.test_loss_selection import synthetic_batch
+
+    for anchor in ("bypass", "decoupled"):
+        module = build(compose([f"model.path={models['tied']}", f"algo.loss.anchor={anchor}"]).module)
+        module.configure_model()
+        batch = synthetic_batch()
+        batch["recompute"][:2] = True
+        mu = batch["behavior_logprobs"].clone()
+        (out,) = module.prepare_rollout_batch([batch])
+        assert torch.equal(out["behavior_logprobs"], mu)
+        fresh = module.old_logprobs(batch)
+        if anchor == "bypass":  # flagged rows: the current policy; the others: pi_old := mu
+            assert torch.equal(out["old_logprobs"][:2], fresh[:2]) and torch.equal(
+                out["old_logprobs"][2:], mu[2:]
+            )
+        else:
+            assert torch.equal(out["old_logprobs"], fresh)
 
 
 def test_dropout_is_off_in_rl_forward_passes(tmp_path):
@@ -200,3 +225,92 @@ def test_dropout_is_off_in_rl_forward_passes(tmp_path):
     }
     a, b = module.old_logprobs(batch), module.old_logprobs(batch)
     assert torch.equal(a, b)
+
+
+def test_kl_in_the_reward_shapes_rewards_and_recomputes_group_advantages():
+    from data.rollout.experience import Experience, collate
+    from modules.advantages import GroupAdvantage
+    from modules.kl_reward import KLRewardPenalty
+
+    def exp(gid, idx, reward, mu):
+        return Experience(
+            prompt_id=gid,
+            group_id=gid,
+            sample_index=idx,
+            prompt_ids=[3, 4],
+            response_ids=[5] * len(mu),
+            behavior_logprobs=mu,
+            reward=reward,
+            policy_version=0,
+            sampling={},
+            gen_start=0.0,
+            gen_end=1.0,
+            truncated=False,
+        )
+
+    exps = [
+        exp(0, 0, 1.0, [-1.0, -1.0]),
+        exp(0, 1, 1.0, [-0.2]),
+        exp(1, 0, 0.0, [-2.0]),
+        exp(1, 1, 1.0, [-1.0]),
+    ]
+    # two minibatches (one sample of each group in each), the second epoch repeats them
+    steps = [collate([exps[0], exps[2]], 0), collate([exps[1], exps[3]], 0), collate([exps[3], exps[0]], 0)]
+
+    def ref_logprobs(batch):  # the reference gives every token logprob -1.5
+        return torch.full_like(batch["behavior_logprobs"], -1.5)
+
+    coef = 0.1
+    mean_penalty = KLRewardPenalty(coef, GroupAdvantage()).apply(steps, ref_logprobs)
+    k1 = {(0, 0): 1.0, (0, 1): 1.3, (1, 0): -0.5, (1, 1): 0.5}  # sum_t (mu_t - ref_t)
+    shaped = {k: e.reward - coef * k1[k] for k, e in zip(k1, exps)}
+    want = {}
+    for gid in (0, 1):
+        adv = GroupAdvantage()([shaped[(gid, 0)], shaped[(gid, 1)]])
+        want[(gid, 0)], want[(gid, 1)] = adv
+    for batch in steps:
+        keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
+        assert torch.allclose(batch["advantages"], torch.tensor([want[k] for k in keys]), atol=1e-5)
+    assert mean_penalty == pytest.approx(coef * sum(k1.values()) / 4)
+    # group 0 had equal rewards (no signal): the penalty alone now separates its members
+    assert want[(0, 0)] > 0.9 and want[(0, 1)] < -0.9
+
+
+def test_kl_in_the_reward_needs_a_reference_and_group_advantages():
+    from modules.config import build
+    from modules.config_errors import ConfigError
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match="module.ref_model_path"):
+        build(compose(["algo.kl_reward.coef=0.1"]).module)
+    with pytest.raises(ConfigError, match="algo.advantage"):
+        build(compose(["rollout=streaming", "algo/advantage=running", "algo.kl_reward.coef=0.1"]).module)
+
+
+def _reduce_rank(rank: int, path: str, out: str) -> None:
+    from modules.grpo import reduce_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
+    values = {
+        "train/loss": torch.tensor(1.0 + 2 * rank),  # a CPU tensor and plain floats both work
+        "is/weight_max": 3.0 - rank,
+        "is/weight_min": 0.5 + rank,
+        "mismatch/max_abs_logp_diff": float(rank),
+    }
+    reduced = reduce_over_ranks(values, torch.device("cpu"), WORLD)
+    if rank == 0:
+        torch.save({k: float(v) for k, v in reduced.items()}, out)
+    dist.destroy_process_group()
+
+
+def test_loss_metrics_are_reduced_over_ranks_by_their_kind():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "reduced.pt")
+        mp.spawn(_reduce_rank, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
+        got = torch.load(out)
+    assert got == {
+        "train/loss": 2.0,
+        "is/weight_max": 3.0,
+        "is/weight_min": 0.5,
+        "mismatch/max_abs_logp_diff": 1.0,
+    }

@@ -19,6 +19,7 @@ bucket. Metrics (cumulative since the start of the run):
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 
 from data.rollout.experience import Experience
@@ -45,37 +46,59 @@ def kl(p: Counter, q: Counter, eps: float = 1e-3) -> float:
 
 
 class BiasTracker:
+    """Thread-safe: completion callbacks count generated responses while the trainer thread
+    reads the metrics or a checkpoint snapshots the counts."""
+
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.issued_levels: Counter = Counter()
         self.generated_lengths: Counter = Counter()
         self.trained_lengths: Counter = Counter()
         self.trained_levels: Counter = Counter()
         self.staleness_sum: Counter = Counter()
 
-    COUNTERS = ("issued_levels", "generated_lengths", "trained_lengths", "trained_levels", "staleness_sum")
+    def _counters(self) -> dict[str, Counter]:
+        return {
+            "issued_levels": self.issued_levels,
+            "generated_lengths": self.generated_lengths,
+            "trained_lengths": self.trained_lengths,
+            "trained_levels": self.trained_levels,
+            "staleness_sum": self.staleness_sum,
+        }
 
     def state_dict(self) -> dict[str, list[list]]:
         """Plain lists of [key, count] (keys may be None), so checkpoints load with weights_only."""
-        return {name: [[k, v] for k, v in getattr(self, name).items()] for name in self.COUNTERS}
+        with self._lock:
+            return {name: [[k, v] for k, v in c.items()] for name, c in self._counters().items()}
 
     def load_state_dict(self, state: dict[str, list[list]]) -> None:
-        for name in self.COUNTERS:
-            setattr(self, name, Counter({k: v for k, v in state.get(name, [])}))
+        with self._lock:
+            for name, counter in self._counters().items():
+                counter.clear()
+                counter.update({k: v for k, v in state.get(name, [])})
 
-    def on_issue(self, level: int | None) -> None:
-        self.issued_levels[level] += 1
+    def on_issue(self, level: int | None, n: int = 1) -> None:
+        """``n`` samples of ``level`` issued (negative: taken back, to be issued again)."""
+        with self._lock:
+            self.issued_levels[level] += n
 
     def on_generated(self, exp: Experience) -> None:
-        self.generated_lengths[length_bucket(len(exp.response_ids))] += 1
+        with self._lock:
+            self.generated_lengths[length_bucket(len(exp.response_ids))] += 1
 
     def on_trained(self, exps: list[Experience]) -> None:
-        for e in exps:
-            b = length_bucket(len(e.response_ids))
-            self.trained_lengths[b] += 1
-            self.trained_levels[e.difficulty] += 1
-            self.staleness_sum[b] += e.staleness
+        with self._lock:
+            for e in exps:
+                b = length_bucket(len(e.response_ids))
+                self.trained_lengths[b] += 1
+                self.trained_levels[e.difficulty] += 1
+                self.staleness_sum[b] += e.staleness
 
     def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return self._metrics()
+
+    def _metrics(self) -> dict[str, float]:
         out = {
             "bias/len_kl_trained_vs_issued": kl(self.trained_lengths, self.generated_lengths),
             "bias/level_kl_trained_vs_issued": kl(self.trained_levels, self.issued_levels),

@@ -180,7 +180,6 @@ class RolloutDataModule(L.LightningDataModule):
                 **rollout_stats(exps),
                 **self.rollout.stats,
                 **self.rollout.bias.metrics(),
-                **self.engine.stats(),
                 "rollout/reward_errors": float(self.rollout.reward_error_count),
             }
             stats["perf/rollout_wait_s"] = waited
@@ -253,6 +252,10 @@ class RolloutDataModule(L.LightningDataModule):
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
         return self.engine.update_weights(named_tensors, version, inflight=self.rollout.inflight)
+
+    def engine_stats(self) -> dict[str, float]:
+        """Engine-side metrics since it started ({} where this rank has no engine)."""
+        return self.engine.stats()
 
     def engine_logprobs(self, sequence: list[int]) -> list[float]:
         """The engine's logprob (temperature 1) of each token of ``sequence`` after the first."""

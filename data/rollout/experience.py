@@ -38,7 +38,7 @@ class Experience:
     weight: float = 1.0  # per-sample loss weight (staleness policies may change it)
     splits: int = 0  # times the request was aborted and resubmitted (carried over)
     staleness: int = 0  # trainer version at consumption minus the oldest token's version
-    recompute: bool = False  # replace behaviour logprobs by the trainer's current ones
+    recompute: bool = False  # anchor the ratio at the trainer's current logprobs (Recompute)
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +90,8 @@ def collate(batch: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([e.reward for e in batch], dtype=torch.float32),
         "weights": torch.tensor([e.weight for e in batch], dtype=torch.float32),
         "policy_versions": torch.tensor([e.policy_version for e in batch], dtype=torch.long),
+        "group_ids": torch.tensor([e.group_id for e in batch], dtype=torch.long),
+        "sample_indexes": torch.tensor([e.sample_index for e in batch], dtype=torch.long),
         "response_lengths": torch.tensor([len(e.response_ids) for e in batch], dtype=torch.long),
         "truncated": torch.tensor([e.truncated for e in batch], dtype=torch.bool),
         "recompute": torch.tensor([e.recompute for e in batch], dtype=torch.bool),

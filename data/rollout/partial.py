@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from data.rollout.controller import RolloutController
 from data.rollout.staleness import StalenessPolicy
 from data.rollout.streaming import StreamingRollout
 from modules.config_errors import check
@@ -46,6 +47,10 @@ class PartialRollout(StreamingRollout):
             wait_timeout_s=wait_timeout_s,
         )
         self._iteration_open = False
+
+    def check_advantage(self, advantage: object) -> None:
+        # Iterations count whole groups: responses are never released one by one here.
+        RolloutController.check_advantage(self, advantage)
 
     def _target_inflight(self) -> int:
         # Top up only at the start of an iteration (not continuously, unlike streaming).

@@ -5,11 +5,12 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
 
 * ``Drop``: discard it (TRL / verl style); costs the generation it took.
 * ``Downweight``: train on it with weight ``gamma ** (staleness - max_staleness)``.
-* ``Recompute``: replace its behaviour logprobs by the current policy's, computed once per
-  rollout batch before its first optimizer step (``RolloutDataModule``). The PPO ratio then
-  starts at 1, so the update is clipped around the current policy rather than the stale one;
-  it does **not** correct the state distribution (the tokens are still samples of the old
-  policy), so the gradient stays biased.
+* ``Recompute``: anchor its PPO ratio at the current policy (pi_old computed once per rollout
+  batch before its first optimizer step, ``GRPOModule.prepare_rollout_batch``; mu is kept).
+  The ratio then starts at 1, so the update is clipped around the current policy rather than
+  the stale one; it does **not** correct the state distribution (the tokens are still samples
+  of the old policy), so the gradient stays biased. Bypass mode only: with
+  ``algo.loss.anchor=decoupled`` every sample is already anchored so (rejected at start-up).
 * ``Admit``: AReaL-style admission control: never start a group that could not be consumed
   within ``max_staleness`` versions, and make the trainer wait for groups that are due, so
   nothing is ever too stale and nothing is dropped.

@@ -262,6 +262,7 @@ class StreamingRollout(RolloutController):
                 self.counters["expired"] += 1
                 if self._units_per_group == 1:
                     self.ctx.prompts.requeue([self.ctx.prompts.index_of(r.exps[0].extras["row"])])
+                    self.bias.on_issue(r.level, -self.group_size)  # counted again when re-issued
         # 1) A dropping policy removes too-stale groups as soon as they are seen.
         if self.staleness.drops:
             for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:

@@ -85,6 +85,7 @@ class CallbackThread:
     new submissions or weight-sync calls, which all run on that loop."""
 
     def __init__(self, name: str) -> None:
+        self.error: BaseException | None = None  # the first callback that raised
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -95,7 +96,14 @@ class CallbackThread:
             if item is None:
                 return
             fn, fut = item
-            fn(fut)  # callbacks handle their own errors (the controller stores them)
+            try:
+                fn(fut)
+            except BaseException as e:  # surfaced by the engine's health check; keep serving
+                self.error = self.error or e
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise EngineError(f"a completion callback failed: {self.error!r}") from self.error
 
     def on_done(self, fut: cf.Future, fn: Callable[[cf.Future], None]) -> None:
         """Call ``fn(fut)`` on this thread once ``fut`` is done."""

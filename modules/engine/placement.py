@@ -28,11 +28,16 @@ def parse_cores(spec: str) -> set[int]:
     return cores
 
 
+def names_cores(spec: object) -> bool:
+    """True when ``engine.cpu_cores`` names cores (``0`` does; null and "" do not)."""
+    return spec is not None and str(spec).strip() != ""
+
+
 def configure_engine_env(cpu_cores: str | None, cpu_kvcache_gb: int, gpu_ids: list[int] | None) -> None:
     """Environment the engine's worker processes inherit (set before the engine is built)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per sync otherwise
     if gpu_ids is None:
-        if cpu_cores:
+        if names_cores(cpu_cores):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_cores)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gb)
     else:  # CUDA: dedicate these GPUs to rollout (untested here: no GPU in CI).
@@ -56,7 +61,11 @@ class CorePinning:
         self._saved: set[int] | None = None
 
     def apply(self) -> None:
-        if not self.engine_cores or self._saved is not None or not hasattr(os, "sched_setaffinity"):
+        if (
+            not names_cores(self.engine_cores)
+            or self._saved is not None
+            or not hasattr(os, "sched_setaffinity")
+        ):
             return
         self._saved = os.sched_getaffinity(0)
         rest = self._saved - parse_cores(str(self.engine_cores))

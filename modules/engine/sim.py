@@ -18,6 +18,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
+from modules.engine.placement import CorePinning
 from modules.engine.types import Completion, EngineError, SamplingConfig
 
 
@@ -78,6 +79,9 @@ class _Req:
 class SimEngine:
     health_poll_s = 0.01
     stall_timeout_s = 1e9
+
+    model_path = "sim"
+    pinning = CorePinning(None)
 
     def __init__(self, max_concurrency: int | None = None, jitter: int = 0) -> None:
         self.jitter = jitter  # response length += hash(seed) % (jitter + 1): responses of a prompt differ

@@ -19,6 +19,8 @@ from modules.config_errors import check
 if TYPE_CHECKING:  # this package stays importable without torch (the reaper imports it)
     import torch
 
+    from modules.engine.placement import CorePinning
+
 INFLIGHT_MODES = ("keep", "abort", "wait")
 
 
@@ -82,6 +84,8 @@ class Engine(Protocol):
     """The rollout engine interface the controllers, the datamodule and the callbacks use."""
 
     version: int  # label of the weights it serves (policy version)
+    model_path: str  # what it serves (the trainer loads the same tokenizer)
+    pinning: CorePinning  # keeps a trainer process off the engine's cores (a no-op on GPUs)
 
     def start(self) -> Engine: ...
 

@@ -97,10 +97,8 @@ class VLLMEngine:
         self.pin_trainer = pin_trainer
         self.weight_transfer = weight_transfer
         self._transfer: WeightTransfer | None = None  # built in start()
-        # Keeps the trainer process off the engine's cores (CPU engine only).
-        self.pinning = CorePinning(cpu_cores if pin_trainer and gpu_ids is None else None)
+        self.pinning = CorePinning(cpu_cores if pin_trainer and gpu_ids is None else None)  # CPU only
         self._reaper: Any = None
-
         self._thread: LoopThread | None = None  # runs AsyncLLM's event loop, from start()
         self._callbacks: CallbackThread | None = None  # completion callbacks, off the loop
         self._llm: Any = None
@@ -210,6 +208,8 @@ class VLLMEngine:
         thread = self._thread
         if thread is not None and thread.error is not None:
             raise EngineError(f"engine thread failed: {thread.error!r}") from thread.error
+        if self._callbacks is not None:
+            self._callbacks.raise_if_failed()
         if thread is None or not thread.alive:
             raise EngineError("engine is not running (never started, shut down, or its thread died)")
         llm = self._llm
