@@ -229,3 +229,11 @@ def test_a_slow_completion_callback_does_not_stall_the_engine(engine, models):
     engine.update_weights(weights, engine.version + 1)
     sync_s = time.monotonic() - t0
     assert other_request_s < 2.0 and sync_s < 3.0, (other_request_s, sync_s)
+
+
+def test_score_accepts_a_sequence_as_long_as_the_context(engine, models):
+    """A trained sequence can fill the whole context (prompt + max_tokens = max_model_len, as
+    in math_grpo); the sync check then scores its first max_model_len - 1 tokens."""
+    seq = [5 + (i % 20) for i in range(engine.max_model_len)]
+    scores = engine.score(seq)
+    assert len(scores) == engine.max_model_len - 2 and all(s <= 0 for s in scores)
