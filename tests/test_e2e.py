@@ -267,6 +267,28 @@ def trained_prompts(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
 
 
+def kill_9_after_a_checkpoint(run_dir: Path, overrides: list[str]) -> Path:
+    """Train until a checkpoint exists and 5 rollout batches ran, kill -9 the whole process
+    group (trainer and engine), check nothing survived; the checkpoint's path."""
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=1000"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    while time.monotonic() < deadline and not (ckpt.exists() and len(trained_prompts(run_dir)) >= 5):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not wait_gone(proc.pid), "engine processes outlived kill -9"
+    return ckpt
+
+
 def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_path, models):
     """Sync mode: kill -9 after a checkpoint, resume from it; the version continues and the
     resumed run trains exactly the prompts the original run would have trained next."""
@@ -279,24 +301,7 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
         "data.eval_size=0",
     ]
     first = tmp_path / "first"
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={first}", *common, "trainer.max_steps=1000"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    ckpt = first / "checkpoints" / "last.ckpt"
-    while time.monotonic() < deadline and not (ckpt.exists() and len(trained_prompts(first)) >= 5):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not wait_gone(proc.pid), "engine processes outlived kill -9"
-    import torch
-
+    ckpt = kill_9_after_a_checkpoint(first, common)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     step = state["global_step"]
     assert step >= 2 and state["asyncrl"]["policy_version"] == step
@@ -445,22 +450,7 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
         "data.eval_size=0",
     ]
     first = tmp_path / "first"
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={first}", *common, "trainer.max_steps=1000"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    ckpt = first / "checkpoints" / "last.ckpt"
-    while time.monotonic() < deadline and not (ckpt.exists() and len(trained_prompts(first)) >= 5):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not wait_gone(proc.pid), "engine processes outlived kill -9"
+    ckpt = kill_9_after_a_checkpoint(first, common)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     step = state["global_step"]
     prompts = state["RolloutDataModule"]["prompts"]

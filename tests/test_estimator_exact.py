@@ -72,11 +72,16 @@ def _rank(rank: int, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_ddp_gradient_equals_one_process_on_the_whole_batch():
+def on_two_ranks(fn) -> object:
+    """Run ``fn(rank, store_path, out_path)`` on 2 gloo ranks; what rank 0 saved to out_path."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "grads.pt")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
-        ddp = torch.load(out)
+        out = os.path.join(tmp, "out.pt")
+        mp.spawn(fn, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
+        return torch.load(out)
+
+
+def test_ddp_gradient_equals_one_process_on_the_whole_batch():
+    ddp = on_two_ranks(_rank)
     for mode in AGGREGATIONS:
         single = loss_grad(slice(None), mode)
         rel = float((ddp[mode] - single).norm() / single.norm())
@@ -304,10 +309,7 @@ def _reduce_rank(rank: int, path: str, out: str) -> None:
 
 
 def test_loss_metrics_are_reduced_over_ranks_by_their_kind():
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "reduced.pt")
-        mp.spawn(_reduce_rank, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
-        got = torch.load(out)
+    got = on_two_ranks(_reduce_rank)
     assert got == {
         "train/loss": 2.0,
         "is/weight_max": 3.0,
