@@ -75,16 +75,26 @@ def test_single_responses_are_fine_with_a_running_baseline():
         (["trainer.accelerator=gpu"], "trainer.accelerator"),
     ],
 )
-def test_missing_files_and_resources_are_rejected(models, overrides, field):
+def test_missing_files_and_resources_are_rejected(models, monkeypatch, overrides, field):
     import torch
 
-    if field == "trainer.accelerator" and torch.cuda.is_available():
-        pytest.skip("this machine has a CUDA GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a GPU machine
     base = [] if field == "module.model_path" else [f"model.path={models['tied']}"]
     cfg = compose(base + overrides)
     with pytest.raises(ConfigError) as info:
         check_environment(cfg)
     assert field in str(info.value)
+
+
+def test_engine_gpus_beyond_the_machine_are_rejected(models, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    ok = ["engine=vllm_gpu", "trainer.accelerator=gpu", "trainer.devices=[0]", "engine.max_model_len=320"]
+    ok.append(f"model.path={models['tied']}")
+    check_environment(compose([*ok, "engine.gpu_ids=[1]"]))
+    with pytest.raises(ConfigError, match="engine.gpu_ids"):
+        check_environment(compose([*ok, "engine.gpu_ids=[2]"]))
 
 
 def test_every_core_for_the_engine_leaves_the_trainer_none(models):
