@@ -183,6 +183,7 @@ def measure_training(
     from transformers import AutoTokenizer
 
     from data.rollout.batches import minibatches, rollout_stats
+    from modules.step_timer import StepTimer
 
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
@@ -215,6 +216,7 @@ def measure_training(
             self.samples.append(int(pl_module.current_batch["num_samples"]))
 
     clock = StepClock()
+    timer = StepTimer()
     module = instantiate(cfg.module)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp, engine.pinning:
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -222,7 +224,7 @@ def measure_training(
             cfg.trainer,
             max_steps=len(rollout_batches) * steps_per_batch,
             devices=1,  # one trainer process: the bound of trainer.devices > 1 is not measured
-            callbacks=[clock],
+            callbacks=[timer, clock],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -243,6 +245,11 @@ def measure_training(
         "seconds": seconds,
         "samples_per_s": n / seconds,
         "step_s_median": statistics.median(step_s) if step_s else None,
+        # median seconds per phase over the timed steps (modules/step_timer.py)
+        "step_breakdown_s": {
+            k: statistics.median(p[k] for p in list(timer.history)[w:]) for k in (*StepTimer.PHASES, "step")
+        },
+        "forward_layout": type(module.forward_logprobs).__name__,
         "response_len_mean": statistics.fmean(lengths),
         "minibatches": mb,
         "epochs": ep,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -56,7 +57,9 @@ class WeightSync(L.Callback):
             pl_module.weights_for_engine(), version
         )
         if self.verify and self.last_probe:
+            t0 = time.perf_counter()
             diff = self._max_diff(trainer, pl_module, self.last_probe)
+            pl_module.last_weight_verify_s = time.perf_counter() - t0
             pl_module.last_weight_sync_diff = diff
             if not diff <= self.tolerance:
                 raise WeightSyncError(

@@ -10,6 +10,12 @@ about to change, and it computes the extra passes the loss asks for before the b
 update: pi_old for a decoupled anchor (``PolicyLoss.needs_old_logprobs``) and the current
 logprobs of samples the ``Recompute`` staleness policy flagged. The loss is a
 ``modules.losses.PolicyLoss`` (``algo.loss`` in the config).
+
+Work it skips: pi_old is computed once per sample, not once per epoch, and never for the
+rollout batch's first minibatch, whose training forward runs with exactly the pre-update
+weights (its detached logprobs *are* pi_old). With the default bypass anchor and one
+minibatch no extra pass runs at all. The forward layout (``module.forward``: packed by
+default) is in ``modules/packing.py``; the per-step time breakdown in ``modules/step_timer.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
 from modules.kl_reward import KLRewardPenalty
 from modules.losses import PolicyLoss, batch_counts
-from modules.policy import disable_dropout, load_policy, named_weights, token_logprobs
+from modules.packing import PackedForward
+from modules.policy import disable_dropout, load_policy, named_weights
 from modules.schedules import optimizers
 
 
@@ -68,8 +75,10 @@ class GRPOModule(L.LightningModule):
         ref_model_path: str | None = None,
         max_consecutive_skips: int = 3,
         kl_reward: KLRewardPenalty | None = None,
+        forward: Any = None,
     ) -> None:
         super().__init__()
+        self.forward_logprobs = forward if forward is not None else PackedForward()
         check("module.temperature", temperature, temperature > 0, "a float > 0")
         self.kl_reward = kl_reward or KLRewardPenalty()
         check(
@@ -98,6 +107,7 @@ class GRPOModule(L.LightningModule):
         self.policy_version = 0
         self.samples_trained = 0
         self.last_weight_sync_s = 0.0
+        self.last_weight_verify_s = 0.0  # the engine's scoring pass that checks the last sync
         self.last_weight_sync_diff = 0.0  # engine vs trainer logprobs after the last sync
         self.last_rank_weight_diff = 0.0  # DDP: weight fingerprint spread across ranks
         self.last_kl_reward_penalty = 0.0  # mean KL reward penalty of the current rollout batch
@@ -106,6 +116,9 @@ class GRPOModule(L.LightningModule):
         self._wait_s = 0.0
         self._steps: list[dict[str, Any]] = []  # optimizer steps left of the current rollout batch
         self.current_batch: dict[str, Any] | None = None  # the step's minibatch (WeightSync reads it)
+        # pi_old of this rollout batch's samples by (group_id, sample_index): one pass per sample
+        self._old_by_sample: dict[tuple[int, int], torch.Tensor] = {}
+        self.step_times: dict[str, float] = {}  # this step's wait / prepare / forward seconds
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -122,16 +135,22 @@ class GRPOModule(L.LightningModule):
         if self._t_start is None:
             self._t_start = time.perf_counter()
             self._samples_at_start = self.samples_trained  # nonzero after a resume
+        t0 = time.perf_counter()
+        wait = prepare = 0.0
         if not self._steps:
-            t0 = time.perf_counter()
             steps, _, _ = next(dataloader_iter)
-            self._wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            wait = t1 - t0
+            self._wait_s += wait
             self._steps = self.prepare_rollout_batch(move_data_to_device(steps, self.device))
+            prepare = time.perf_counter() - t1
+        t2 = time.perf_counter()
         batch = self._steps.pop(0)
         self.current_batch = batch  # read by WeightSync.on_train_batch_end
-        logp, entropy = token_logprobs(
+        logp, entropy = self.forward_logprobs(
             self.policy, batch["input_ids"], batch["attention_mask"], self.temperature, with_entropy=True
         )
+        self._complete_old_logprobs(batch, logp)
         mask = batch["loss_mask"]
         behavior = batch["behavior_logprobs"]
         extra = {"old_logp": batch["old_logprobs"]} if "old_logprobs" in batch else {}
@@ -150,6 +169,7 @@ class GRPOModule(L.LightningModule):
             **extra,
         )
         self.samples_trained += int(batch["num_samples"])
+        self.step_times = {"wait": wait, "prepare": prepare, "forward": time.perf_counter() - t2}
         if not self._all_ranks_finite(loss, logp * mask):
             return self._skip_step(loss)
         self.consecutive_skips = 0
@@ -231,6 +251,7 @@ class GRPOModule(L.LightningModule):
         log("perf/samples_total", float(self.samples_trained))
         log("perf/trainer_idle_frac", self._wait_s / elapsed)
         log("perf/weight_sync_s", self.last_weight_sync_s)
+        log("perf/weight_verify_s", self.last_weight_verify_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
         if self._trainer is not None and self._trainer.world_size > 1:
             log("perf/rank_weight_max_diff", self.last_rank_weight_diff)
@@ -240,29 +261,69 @@ class GRPOModule(L.LightningModule):
         return self.loss_fn.needs_old_logprobs
 
     def prepare_rollout_batch(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The passes a rollout batch needs before its first update, with the current weights
-        (once for all its minibatches and epochs): pi_old for a decoupled anchor; in bypass
-        mode, pi_old of the samples the ``Recompute`` staleness policy flagged (their ratio
-        restarts at the current policy; the other rows keep pi_old := mu). The behaviour
-        logprobs mu are never replaced: the behaviour weight pi_old / mu and the ``mismatch/*``
-        metrics still see how far the stale samples' policy was. In decoupled mode pi_old is
-        already the current policy for every row, so ``Recompute`` adds nothing there."""
-        for batch in steps:
-            flagged = batch["recompute"]
-            if self.needs_old_logprobs:
-                batch["old_logprobs"] = self.old_logprobs(batch)
-            elif flagged.any():
-                fresh = self.old_logprobs(batch)
-                batch["old_logprobs"] = torch.where(flagged[:, None], fresh, batch["behavior_logprobs"])
+        """The passes a rollout batch needs before its first update, with the current weights:
+        pi_old for a decoupled anchor; in bypass mode, pi_old of the samples the ``Recompute``
+        staleness policy flagged (their ratio restarts at the current policy; the other rows
+        keep pi_old := mu). The behaviour logprobs mu are never replaced: the behaviour weight
+        pi_old / mu and the ``mismatch/*`` metrics still see how far the stale samples' policy
+        was. In decoupled mode pi_old is already the current policy for every row, so
+        ``Recompute`` adds nothing there.
+
+        One pass per sample: the first epoch's minibatches hold every sample once. The first
+        minibatch gets no pass here: it is flagged ``old_from_forward`` and its training forward
+        (same weights, same layout) supplies pi_old. Later epochs' minibatches (re-shuffled,
+        re-collated) read the values remembered by sample."""
+        self._old_by_sample = {}
+        for k, batch in enumerate(steps):
+            rows = self._old_rows(batch)
+            if not rows.any() or batch.get("epoch", 0) > 0:
+                continue
+            if k == 0:
+                batch["old_from_forward"] = True
+                continue
+            fresh = torch.zeros_like(batch["behavior_logprobs"])
+            idx = rows.nonzero().squeeze(1)
+            sub = self.old_logprobs({n: batch[n][idx] for n in ("input_ids", "attention_mask")})
+            fresh[idx] = sub
+            self._set_old_logprobs(batch, fresh)
         if self.kl_reward.enabled:
             self.last_kl_reward_penalty = self.kl_reward.apply(steps, self.ref_logprobs)
         return steps
+
+    def _old_rows(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Rows whose pi_old is the trainer's current policy (not mu)."""
+        if self.needs_old_logprobs:
+            return torch.ones_like(batch["recompute"])
+        return batch["recompute"]
+
+    def _set_old_logprobs(self, batch: dict[str, Any], fresh: torch.Tensor) -> None:
+        """pi_old of the batch from ``fresh`` on its rows that need it (mu elsewhere), and
+        remember it by sample for the later epochs."""
+        rows = self._old_rows(batch)
+        batch["old_logprobs"] = torch.where(rows[:, None], fresh, batch["behavior_logprobs"])
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
+        for i, key in enumerate(keys):
+            self._old_by_sample[key] = batch["old_logprobs"][i, : max(int(lengths[i]) - 1, 0)]
+
+    def _complete_old_logprobs(self, batch: dict[str, Any], logp: torch.Tensor) -> None:
+        """Fill pi_old of a minibatch that has none yet: from its own training forward (the
+        rollout batch's first minibatch) or from the values remembered by sample."""
+        if batch.pop("old_from_forward", False):
+            self._set_old_logprobs(batch, logp.detach())
+        elif "old_logprobs" not in batch and self._old_rows(batch).any():
+            old = batch["behavior_logprobs"].clone()
+            keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
+            for i, key in enumerate(keys):
+                values = self._old_by_sample[key]
+                old[i, : len(values)] = values
+            batch["old_logprobs"] = old
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference policy's logprobs of the batch's tokens."""
         self.ref_policy.to(self.device)
-        logp, _ = token_logprobs(
+        logp, _ = self.forward_logprobs(
             self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
         )
         return logp
@@ -272,7 +333,7 @@ class GRPOModule(L.LightningModule):
         """The current weights' logprobs (pi_old before this rollout batch's updates)."""
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device)
-        logp, _ = token_logprobs(self.policy, ids, mask, self.temperature)
+        logp, _ = self.forward_logprobs(self.policy, ids, mask, self.temperature)
         return logp
 
     # ------------------------------------------------------------------ weights

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -46,17 +45,12 @@ def token_logprobs(
     """Logprob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
     Returns ``(logp [B, T-1], entropy [B, T-1] or None)``; entropy is of the same tempered
-    distribution and carries no gradient.
+    distribution and carries no gradient. One padded forward; the trainer's own passes use the
+    configured layout (``modules.packing``), which returns the same values.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    from modules.packing import PaddedForward
+
+    return PaddedForward()(model, input_ids, attention_mask, temperature, with_entropy)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -38,6 +38,8 @@ INTS = (
     "data.batch_size",
     "module.max_consecutive_skips",
     "module.max_new_tokens",
+    "module.forward.row_tokens",
+    "module.forward.token_budget",
     "callbacks.eval.every_n_versions",
     "callbacks.checkpoint.every_n_train_steps",
 )

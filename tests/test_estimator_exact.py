@@ -7,6 +7,8 @@ issue that added them).
 
 from __future__ import annotations
 
+import random
+
 import os
 import tempfile
 
@@ -182,25 +184,38 @@ def test_recompute_keeps_mu_for_the_behaviour_weight_and_the_drift_metrics():
 
 
 def test_the_module_never_overwrites_mu(models):
+    """pi_old: the current policy on the rows that need it (all rows when decoupled, the
+    Recompute-flagged rows in bypass), mu elsewhere; mu itself is never replaced. The first
+    minibatch takes pi_old from its own training forward, later minibatches from one pass in
+    ``prepare_rollout_batch``, later epochs from the values remembered per sample."""
+    from data.rollout.batches import minibatches
     from modules.config import build
     from tests.conftest import compose
-    from tests.test_loss_selection import synthetic_batch
+    from tests.test_loss_selection import synthetic_exps
 
     for anchor in ("bypass", "decoupled"):
         module = build(compose([f"model.path={models['tied']}", f"algo.loss.anchor={anchor}"]).module)
         module.configure_model()
-        batch = synthetic_batch()
-        batch["recompute"][:2] = True
-        mu = batch["behavior_logprobs"].clone()
-        (out,) = module.prepare_rollout_batch([batch])
-        assert torch.equal(out["behavior_logprobs"], mu)
-        fresh = module.old_logprobs(batch)
-        if anchor == "bypass":  # flagged rows: the current policy; the others: pi_old := mu
-            assert torch.equal(out["old_logprobs"][:2], fresh[:2]) and torch.equal(
-                out["old_logprobs"][2:], mu[2:]
+        exps = synthetic_exps()
+        for e in exps[:2] + exps[4:5]:
+            e.recompute = True
+        steps = minibatches(exps, 2, 2, random.Random(0), 0, {}, sync_after=False)
+        mus = [b["behavior_logprobs"].clone() for b in steps]
+        steps = module.prepare_rollout_batch(steps)
+        assert steps[0].get("old_from_forward") and "old_logprobs" not in steps[0]
+        assert "old_logprobs" in steps[1]  # one pass before any update
+        assert all("old_logprobs" not in b for b in steps[2:])  # epoch 2: by sample, later
+        for batch, mu in zip(steps, mus):
+            fresh = module.old_logprobs(batch)  # weights unchanged: the current policy
+            logp, _ = module.forward_logprobs(
+                module.policy, batch["input_ids"], batch["attention_mask"], module.temperature
             )
-        else:
-            assert torch.equal(out["old_logprobs"], fresh)
+            module._complete_old_logprobs(batch, logp)  # what training_step does
+            assert torch.equal(batch["behavior_logprobs"], mu)
+            rows = torch.ones_like(batch["recompute"]) if anchor == "decoupled" else batch["recompute"]
+            expected = torch.where(rows[:, None], fresh, mu) * batch["attention_mask"][:, 1:]
+            got = batch["old_logprobs"] * batch["attention_mask"][:, 1:]
+            assert torch.allclose(got, expected, atol=1e-5, rtol=0), anchor  # float32 layouts
 
 
 def test_dropout_is_off_in_rl_forward_passes(tmp_path):

@@ -21,6 +21,14 @@ OBJECTIVES = sorted(p.stem for p in (ROOT / "conf/algo/objective").glob("*.yaml"
 
 
 def synthetic_batch(seed: int = 0) -> dict:
+    exps = synthetic_exps(seed)
+    batch = collate(exps, pad_id=0)
+    batch["num_samples"] = len(exps)
+    return batch
+
+
+def synthetic_exps(seed: int = 0) -> list[Experience]:
+    """Six responses of 3..8 tokens in two groups of three."""
     g = torch.Generator().manual_seed(seed)
     exps = []
     for i in range(6):
@@ -43,9 +51,7 @@ def synthetic_batch(seed: int = 0) -> dict:
                 staleness=i % 3,
             )
         )
-    batch = collate(exps, pad_id=0)
-    batch["num_samples"] = len(exps)
-    return batch
+    return exps
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS)

@@ -34,6 +34,7 @@ def minibatches(
         chunks = [order[k::n_minibatches] for k in range(n_minibatches)]
         for k, chunk in enumerate(chunks):
             batch: dict[str, Any] = collate([exps[i] for i in chunk], pad_id)
+            batch["epoch"] = epoch
             batch["sync_after"] = sync_after and epoch == epochs - 1 and k == n_minibatches - 1
             batch["rollout_stats"] = stats if (epoch == 0 and k == 0) else {}
             # samples this optimizer step consumed across all ranks (equal shards)

@@ -1,0 +1,213 @@
+"""How the trainer runs the policy over a minibatch: padded, packed, or length-bucketed.
+
+    python train.py module/forward=packed      # the default: padding-free rows
+    python train.py module/forward=bucketed    # length-sorted micro-batches (any attention backend)
+    python train.py module/forward=padded      # one right-padded [B, T] batch (the reference)
+
+Every strategy returns per-token logprobs in the *padded* layout ``[B, T-1]`` that ``collate``
+produces (entry ``[i, t]`` is ``log p(input_ids[i, t+1] | input_ids[i, :t+1])``; zero where
+``attention_mask`` is 0), so losses, corrections and metrics never see how the forward pass
+was laid out. Only the FLOPs change: with a long-tailed length distribution a padded batch is
+mostly padding (128 responses of mean 14 tokens padded to the longest, ~200).
+
+``PackedForward`` concatenates sequences into rows of at most ``row_tokens`` tokens (first-fit
+decreasing; a sequence longer than ``row_tokens`` gets a row of its own) with ``position_ids``
+restarting at 0 for each sequence and no 2D attention mask. transformers then builds a
+block-diagonal causal mask from the position ids (sdpa / eager / flex) or passes the sequence
+boundaries to the variable-length kernel (flash_attention_2), so no token attends across a
+sequence boundary and each sequence sees exactly the positions it sees when padded. Attention
+cost per token grows with the row length, not the sequence length: rows of a few times the
+longest sequence keep that small while removing nearly all padding.
+
+``BucketedForward`` is the fallback for models that do not read packed position ids: sort by
+length, cut into micro-batches of at most ``token_budget`` padded tokens, run each padded.
+
+Equality with the padded computation (logprobs, loss and gradients, float64, every aggregation
+and correction) is tested in ``tests/test_packing.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from modules.config_errors import check
+
+
+def _tempered_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / T)[target]`` per row of ``logits [N, V]``; entropy without grad."""
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _scatter(values: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A ``shape`` tensor of zeros with ``values`` written at flat positions ``dst``."""
+    out = values.new_zeros(shape[0] * shape[1])
+    return out.index_copy(0, dst, values).view(shape)
+
+
+class PaddedForward:
+    """One forward over the right-padded ``[B, T]`` batch (the reference layout)."""
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        b, t = logits.shape[:2]
+        logp, entropy = _tempered_logprobs(
+            logits.reshape(b * t, -1), input_ids[:, 1:].reshape(-1), temperature, with_entropy
+        )
+        return logp.view(b, t), None if entropy is None else entropy.view(b, t)
+
+
+@dataclass
+class PackPlan:
+    """Where each sequence sits in the packed rows, and the flat index maps of its targets."""
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    src: torch.Tensor  # flat indexes into the packed logits [R * L] (the predicting positions)
+    dst: torch.Tensor  # flat indexes into the padded output [B * (T-1)]
+    targets: torch.Tensor  # the token each predicting position is scored on
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of sequence indexes whose lengths sum to at most ``capacity`` (a longer sequence
+    gets a bin of its own), longest first. Deterministic: ties keep index order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+def pack_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int) -> PackPlan:
+    """Lay the sequences of a right-padded batch end to end in rows of ``row_tokens`` tokens."""
+    b, t = input_ids.shape
+    lengths = attention_mask.sum(dim=1).tolist()
+    bins = first_fit_decreasing([int(n) for n in lengths], row_tokens)
+    width = max(max(sum(lengths[i] for i in row) for row in bins), 2)
+    ids = torch.zeros((len(bins), width), dtype=input_ids.dtype, device=input_ids.device)
+    pos = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
+    src, dst, tgt_src = [], [], []
+    for r, row in enumerate(bins):
+        col = 0
+        for i in row:
+            n = int(lengths[i])
+            ids[r, col : col + n] = input_ids[i, :n]
+            pos[r, col : col + n] = torch.arange(n, device=input_ids.device)
+            if n > 1:  # targets 0..n-2, predicted at packed columns col..col+n-2
+                src.append(torch.arange(r * width + col, r * width + col + n - 1))
+                dst.append(torch.arange(i * (t - 1), i * (t - 1) + n - 1))
+            col += n
+        # the row's tail (token 0): a pseudo-sequence of its own (positions restart), never read
+        pos[r, col:] = torch.arange(width - col, device=input_ids.device)
+    device = input_ids.device
+    src_t = torch.cat(src).to(device) if src else torch.zeros(0, dtype=torch.long, device=device)
+    dst_t = torch.cat(dst).to(device) if dst else torch.zeros(0, dtype=torch.long, device=device)
+    targets = ids.reshape(-1)[src_t + 1]
+    return PackPlan(ids, pos, src_t, dst_t, targets)
+
+
+class PackedForward:
+    """Padding-free forward: sequences packed into rows with restarting position ids."""
+
+    def __init__(self, row_tokens: int | None = None) -> None:
+        check(
+            "module.forward.row_tokens",
+            row_tokens,
+            row_tokens is None or (isinstance(row_tokens, int) and row_tokens >= 2),
+            "null (the minibatch's longest sequence) or an int >= 2",
+        )
+        self.row_tokens = row_tokens
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = input_ids.shape
+        longest = int(attention_mask.sum(dim=1).max()) if b else 0
+        plan = pack_plan(input_ids, attention_mask, max(self.row_tokens or 0, longest, 2))
+        # attention_mask=None: transformers derives the block-diagonal mask from position_ids
+        logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
+        logp, entropy = _tempered_logprobs(flat, plan.targets, temperature, with_entropy)
+        shape = (b, t - 1)
+        return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(entropy, plan.dst, shape)
+
+
+class BucketedForward:
+    """Length-sorted micro-batches of at most ``token_budget`` padded tokens, each run padded
+    (exact on any attention backend; some padding remains inside each micro-batch)."""
+
+    def __init__(self, token_budget: int = 4096) -> None:
+        check(
+            "module.forward.token_budget",
+            token_budget,
+            isinstance(token_budget, int) and token_budget >= 1,
+            "an int >= 1",
+        )
+        self.token_budget = token_budget
+        self.padded = PaddedForward()
+
+    def buckets(self, lengths: list[int]) -> list[list[int]]:
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        out: list[list[int]] = []
+        for i in order:  # longest first: a bucket's first sequence sets its width
+            if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= self.token_budget:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = input_ids.shape
+        lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+        logps, ents, dsts = [], [], []
+        for rows in self.buckets(lengths):
+            width = max(lengths[rows[0]], 2)
+            idx = torch.tensor(rows, device=input_ids.device)
+            lp, ent = self.padded(model, input_ids[idx, :width], attention_mask[idx, :width], temperature, with_entropy)
+            valid = attention_mask[idx, 1:width] > 0  # target t exists when token t+1 is real
+            cols = torch.arange(width - 1, device=input_ids.device).expand(len(rows), -1)
+            dsts.append((idx[:, None] * (t - 1) + cols)[valid])
+            logps.append(lp[valid])
+            if ent is not None:
+                ents.append(ent[valid])
+        dst = torch.cat(dsts)
+        shape = (b, t - 1)
+        logp = _scatter(torch.cat(logps), dst, shape)
+        return logp, _scatter(torch.cat(ents), dst, shape) if with_entropy else None
