@@ -39,8 +39,10 @@ from modules.config_errors import check
 def _tempered_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)[target]`` per row of ``logits [N, V]``; entropy without grad."""
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    """``log softmax(logits / T)[target]`` per row of ``logits [N, V]``, in at least float32
+    (bf16 logits are upcast, float64 stays); entropy without grad."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp_all = F.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
