@@ -8,7 +8,7 @@ export PROJECT_ROOT := $(CURDIR)
 
 SFT_MODEL := artifacts/tiny-qwen-sft/config.json
 
-.PHONY: install sft train test test-fast lint format clean report
+.PHONY: install sft train test test-fast lint format clean report trl-venv
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ train: $(SFT_MODEL)
 report:
 	@test -n "$(RUN)" || (echo "usage: make report RUN=<run dir with metrics.csv>"; exit 2)
 	$(BIN)/python -m benchmarks.report $(RUN)
+
+# TRL's GRPOTrainer for the peer benchmark (benchmarks/trl_peer.py), in its own venv: it sees
+# this project's packages (torch, transformers, vLLM) through a .pth file and adds TRL and what
+# TRL needs on top, so the two share one torch. Not a project dependency.
+TRL_VERSION ?= 1.16.0
+trl-venv: .venv-trl/trl-$(TRL_VERSION)
+.venv-trl/trl-$(TRL_VERSION):
+	$(BIN)/python -m venv .venv-trl
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > "$$(.venv-trl/bin/python -c 'import site; print(site.getsitepackages()[0])')/asyncrl-base.pth"
+	.venv-trl/bin/pip install -q "trl==$(TRL_VERSION)"
+	.venv-trl/bin/python -c "import trl, torch; print('trl', trl.__version__, '| torch', torch.__version__)"
+	touch $@
 
 test:
 	$(BIN)/python -m pytest -q --durations=15

@@ -3,6 +3,10 @@
     python -m benchmarks.modes                                   # 4 recipes x 3 seeds
     python -m benchmarks.modes --recipes sync_grpo --seeds 0 1 2 -- trainer.max_steps=100
     python -m benchmarks.modes --eval-every 0 --no-bound         # throughput only (faster)
+    python -m benchmarks.modes --recipes trl sync_grpo async_grpo --reference trl   # vs TRL
+
+``trl`` is TRL's GRPOTrainer matched to ``sync_grpo`` (``benchmarks/trl_peer.py``, run in
+``.venv-trl``: ``make trl-venv``), evaluated by the same post-hoc held-out evaluation.
 
 Runs ``train.py`` once per (recipe, seed), each in its own process with its own engine and
 run directory under ``outputs/bench/modes``, all with the same number of trained samples
@@ -172,6 +176,41 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     return recipe, list(filter(None, extra.split(",")))
 
 
+TRL = "trl"  # the peer: benchmarks/trl_peer.py in TRL's own venv
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+def train_command(
+    recipe: str, seed: int, run_dir: Path, injected: list[str], overrides: list[str]
+) -> list[str]:
+    """The command that trains one seed: ``train.py``, or the TRL peer in its venv."""
+    if recipe == TRL:
+        if not TRL_PYTHON.exists():
+            sys.exit("the trl peer needs TRL's venv: make trl-venv")
+        every = [
+            o.split("=", 1)[1] for o in injected if o.startswith("callbacks.checkpoint.every_n_train_steps=")
+        ]
+        return [
+            str(TRL_PYTHON),
+            "-m",
+            "benchmarks.trl_peer",
+            f"--run-dir={run_dir}",
+            f"--seed={seed}",
+            *([f"--save-every={every[-1]}"] if every else []),
+            "--",
+            *overrides,
+        ]
+    return [
+        sys.executable,
+        "train.py",
+        f"recipe={recipe}",
+        f"seed={seed}",
+        f"hydra.run.dir={run_dir}",
+        *injected,
+        *overrides,
+    ]
+
+
 def steps_per_version(overrides: list[str]) -> int:
     """Optimizer steps per policy version (weight sync) of a composed config."""
     from modules.config import compose as compose_config
@@ -193,6 +232,8 @@ def measure_bounds(
     bound_of: dict[str, str] = {}
     for spec in specs:
         recipe, extra = split_spec(spec)
+        if recipe == TRL:
+            continue  # a different program: no bound of ours applies
         spec_overrides = [f"recipe={recipe}", f"seed={seed}", *overrides, *extra]
         key = bound_key(compose_config(spec_overrides))
         if key not in label_of_key:
@@ -229,28 +270,27 @@ def run_recipe(
     # user's own callbacks.* overrides (after --) still apply.
     injected = ["callbacks.eval.every_n_versions=0"]
     if eval_every:
-        k = eval_every * steps_per_version([f"recipe={recipe}", *overrides])
+        k = eval_every * (1 if recipe == TRL else steps_per_version([f"recipe={recipe}", *overrides]))
         injected.append(f"callbacks.checkpoint.every_n_train_steps={k}")
     per_seed = []
     for seed in seeds:
         run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
         t0 = time.time()
-        cmd = [
-            sys.executable,
-            "train.py",
-            f"recipe={recipe}",
-            f"seed={seed}",
-            f"hydra.run.dir={run_dir}",
-            *injected,
-            *overrides,
-        ]
+        cmd = train_command(recipe, seed, run_dir, injected, overrides)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{recipe} seed {seed} failed:\n{proc.stderr[-3000:]}")
         wall = time.time() - t0
         rows = read_metrics(run_dir)
-        summary = json.loads((run_dir / "eval_summary.json").read_text())
         curve = heldout_curve(run_dir, prune_checkpoints) if eval_every else None
+        if recipe == TRL:  # no in-training evaluation: first and last come from the curve
+            if curve is None:
+                sys.exit("the trl peer needs --eval-every > 0 (its held-out reward is post hoc)")
+            pts = curve["points"]
+            (run_dir / "eval_summary.json").write_text(
+                json.dumps({"first": pts[0], "last": pts[-1], "history": pts}, indent=1)
+            )
+        summary = json.loads((run_dir / "eval_summary.json").read_text())
         per_seed.append(
             {
                 "seed": seed,

@@ -5,7 +5,8 @@
 
 Panels: reward (train and held-out) vs wall-clock and vs trained samples; staleness histogram
 over time; IS weights and ESS; response lengths and the length bias; trainer and engine idle
-fractions; weight-sync time. Panels whose metrics the run did not log say so.
+fractions; weight-sync time; where each optimizer step's time goes (``perf/step_*_s``,
+``modules/step_timer.py``). Panels whose metrics the run did not log say so.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def render(run: Path, out: Path) -> Path:
             r.setdefault("perf/wall_s", nearest(wall, r["step"]))
             r.setdefault("perf/samples_total", nearest(samples, r["step"]))
 
-    fig, ax = plt.subplots(2, 3, figsize=(16, 8))
+    fig, ax = plt.subplots(2, 4, figsize=(21, 8))
     a = ax[0][0]
     for key, style in [
         ("train/reward_mean", "-"),
@@ -106,14 +107,39 @@ def render(run: Path, out: Path) -> Path:
 
     a = ax[1][2]
     a.plot(*series(rows, "step", "perf/weight_sync_s"), label="weight sync s")
+    a.plot(*series(rows, "step", "perf/weight_verify_s"), label="verify s")
     a.set_title("weight-sync time")
     a.set_xlabel("step")
+    a.legend(fontsize=8)
+
+    step_breakdown(ax[0][3], rows)
+    a = ax[1][3]
+    a.plot(*series(rows, "perf/wall_s", "perf/samples_per_s"), label="trained samples/s")
+    a.set_title("throughput (cumulative)")
+    a.set_xlabel("wall-clock s")
     fig.suptitle(str(run))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+PHASES = ("gap", "wait", "prepare", "forward", "overhead", "backward", "optimizer")
+
+
+def step_breakdown(a: object, rows: list[dict[str, float]]) -> None:
+    """Stacked seconds per optimizer step by phase (``modules/step_timer.py``)."""
+    timed = [r for r in rows if "perf/step_s" in r and "step" in r]
+    if not timed:
+        a.text(0.5, 0.5, "no perf/step_* metrics in this run", ha="center", transform=a.transAxes)
+    else:
+        xs = [r["step"] for r in timed]
+        ys = [[r.get(f"perf/step_{p}_s", 0.0) for r in timed] for p in PHASES]
+        a.stackplot(xs, ys, labels=PHASES)
+        a.legend(loc="upper left", fontsize=7)
+    a.set_title("seconds per optimizer step, by phase")
+    a.set_xlabel("step")
 
 
 def main() -> None:

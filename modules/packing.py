@@ -113,7 +113,7 @@ def pack_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens:
     width = max(max(sum(lengths[i] for i in row) for row in bins), 2)
     ids = torch.zeros((len(bins), width), dtype=input_ids.dtype, device=input_ids.device)
     pos = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
-    src, dst, tgt_src = [], [], []
+    src, dst = [], []
     for r, row in enumerate(bins):
         col = 0
         for i in row:
@@ -161,7 +161,9 @@ class PackedForward:
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
         logp, entropy = _tempered_logprobs(flat, plan.targets, temperature, with_entropy)
         shape = (b, t - 1)
-        return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(entropy, plan.dst, shape)
+        return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(
+            entropy, plan.dst, shape
+        )
 
 
 class BucketedForward:
@@ -202,7 +204,9 @@ class BucketedForward:
         for rows in self.buckets(lengths):
             width = max(lengths[rows[0]], 2)
             idx = torch.tensor(rows, device=input_ids.device)
-            lp, ent = self.padded(model, input_ids[idx, :width], attention_mask[idx, :width], temperature, with_entropy)
+            lp, ent = self.padded(
+                model, input_ids[idx, :width], attention_mask[idx, :width], temperature, with_entropy
+            )
             valid = attention_mask[idx, 1:width] > 0  # target t exists when token t+1 is real
             cols = torch.arange(width - 1, device=input_ids.device).expand(len(rows), -1)
             dsts.append((idx[:, None] * (t - 1) + cols)[valid])

@@ -50,7 +50,9 @@ class StepTimer(L.Callback):
             self._end = self._start
         self._bwd0 = self._bwd1 = 0.0
 
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
         self._bwd0 = self._now(pl_module)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -60,7 +62,11 @@ class StepTimer(L.Callback):
         end = self._now(pl_module)
         inside = getattr(pl_module, "step_times", {}) or {}
         if self._bwd1:  # a skipped (non-finite) step has no backward and no optimizer step
-            before_backward, backward, optimizer = self._bwd0 - self._start, self._bwd1 - self._bwd0, end - self._bwd1
+            before_backward, backward, optimizer = (
+                self._bwd0 - self._start,
+                self._bwd1 - self._bwd0,
+                end - self._bwd1,
+            )
         else:
             before_backward, backward, optimizer = end - self._start, 0.0, 0.0
         parts = {

@@ -7,9 +7,8 @@ issue that added them).
 
 from __future__ import annotations
 
-import random
-
 import os
+import random
 import tempfile
 
 import pytest

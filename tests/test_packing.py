@@ -113,7 +113,9 @@ def assert_same(model, loss_fn, batch) -> None:
         loss, metrics, grads = loss_and_grads(model, loss_fn, layout, batch)
         assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=1e-12), name
         for key, value in ref_metrics.items():
-            assert torch.allclose(torch.as_tensor(metrics[key]), torch.as_tensor(value), rtol=1e-9, atol=1e-12), (
+            assert torch.allclose(
+                torch.as_tensor(metrics[key]), torch.as_tensor(value), rtol=1e-9, atol=1e-12
+            ), (
                 name,
                 key,
             )
