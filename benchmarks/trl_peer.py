@@ -179,7 +179,9 @@ def main() -> None:
             self.excluded = time.perf_counter() - self.excluded
 
         def on_log(self, args_: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
-            if logs and state.global_step and self.rows and self.rows[-1]["step"] == state.global_step - 1:
+            if not logs or "loss" not in logs:  # the end-of-training summary is not a step
+                return
+            if state.global_step and self.rows and self.rows[-1]["step"] == state.global_step - 1:
                 row = self.rows[-1]
                 row["train/reward_mean"] = logs.get("reward", row.get("train/reward_mean", float("nan")))
                 row["train/response_len_mean"] = logs.get("completions/mean_length", float("nan"))

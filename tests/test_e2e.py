@@ -79,6 +79,14 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
     # after every sync the engine scored a trained sequence like the trainer (verify=true)
     diffs = [float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[minibatches:]]
     assert diffs and max(diffs) < 1e-4
+    # the step-time breakdown adds up to the step, and only a rollout batch's first step waits
+    phases = ("gap", "wait", "prepare", "forward", "overhead", "backward", "optimizer")
+    for i, r in enumerate(train_rows):
+        parts = [float(r[f"perf/step_{p}_s"]) for p in phases]
+        assert min(parts) >= 0 and float(r["perf/step_forward_s"]) > 0 and float(r["perf/step_backward_s"]) > 0
+        assert sum(parts) == pytest.approx(float(r["perf/step_s"]), rel=1e-6, abs=1e-6)
+        if i % minibatches:
+            assert float(r["perf/step_wait_s"]) == 0.0
     # the policy really moved (nonzero advantages) and the trained model was saved
     before = load_file(models["tied"] / "model.safetensors")
     after = load_file(tmp_path / "hf_model" / "model.safetensors")
