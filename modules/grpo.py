@@ -169,8 +169,9 @@ class GRPOModule(L.LightningModule):
             **extra,
         )
         self.samples_trained += int(batch["num_samples"])
+        finite = self._all_ranks_finite(loss, logp * mask)  # reads the loss: waits for the device
         self.step_times = {"wait": wait, "prepare": prepare, "forward": time.perf_counter() - t2}
-        if not self._all_ranks_finite(loss, logp * mask):
+        if not finite:
             return self._skip_step(loss)
         self.consecutive_skips = 0
         self._log_step(batch, loss, metrics, entropy, mask)
@@ -311,12 +312,15 @@ class GRPOModule(L.LightningModule):
         rollout batch's first minibatch) or from the values remembered by sample."""
         if batch.pop("old_from_forward", False):
             self._set_old_logprobs(batch, logp.detach())
-        elif "old_logprobs" not in batch and self._old_rows(batch).any():
+        elif "old_logprobs" not in batch and (rows := self._old_rows(batch)).any():
+            # only rows that need pi_old: a sample whose first-epoch minibatch needed none
+            # (bypass, nothing flagged there) was never stored, and keeps mu
             old = batch["behavior_logprobs"].clone()
             keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
-            for i, key in enumerate(keys):
-                values = self._old_by_sample[key]
-                old[i, : len(values)] = values
+            for i, (key, needed) in enumerate(zip(keys, rows.tolist())):
+                if needed:
+                    values = self._old_by_sample[key]
+                    old[i, : len(values)] = values
             batch["old_logprobs"] = old
 
     @torch.no_grad()

@@ -13,11 +13,15 @@ mostly padding (128 responses of mean 14 tokens padded to the longest, ~200).
 ``PackedForward`` concatenates sequences into rows of at most ``row_tokens`` tokens (first-fit
 decreasing; a sequence longer than ``row_tokens`` gets a row of its own) with ``position_ids``
 restarting at 0 for each sequence and no 2D attention mask. transformers then builds a
-block-diagonal causal mask from the position ids (sdpa / eager / flex) or passes the sequence
-boundaries to the variable-length kernel (flash_attention_2), so no token attends across a
-sequence boundary and each sequence sees exactly the positions it sees when padded. Attention
-cost per token grows with the row length, not the sequence length: rows of a few times the
-longest sequence keep that small while removing nearly all padding.
+block-diagonal causal mask from the position ids (sdpa / eager / flex), so no token attends
+across a sequence boundary and each sequence sees exactly the positions it sees when padded.
+Attention over a masked row is dense, so its cost per token grows with the row length: rows
+as long as the longest sequence (the default) remove nearly all padding and keep that small.
+With ``flash_attention_2`` / ``_3`` transformers reads sequence boundaries from position ids
+only in a single row, so every sequence goes into one row there (the varlen kernel has no
+quadratic cost). The first call per model checks packed against padded logprobs on a few of
+the batch's sequences and stops with a ``ConfigError`` if they differ, which is what a model
+whose attention ignores packed position ids gives (use ``module/forward=bucketed`` there).
 
 ``BucketedForward`` is the fallback for models that do not read packed position ids: sort by
 length, cut into micro-batches of at most ``token_budget`` padded tokens, run each padded.
@@ -39,8 +43,8 @@ from modules.config_errors import check
 def _tempered_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)[target]`` per row of ``logits [N, V]``, in at least float32
-    (bf16 logits are upcast, float64 stays); entropy without grad."""
+    """``log softmax(logits / T)[target]`` over the last dim of ``logits [..., V]``, in at least
+    float32 (bf16 logits are upcast, float64 stays); entropy without grad."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp_all = F.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -57,6 +61,11 @@ def _scatter(values: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]) ->
     return out.index_copy(0, dst, values).view(shape)
 
 
+def _empty(input_ids: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    z = torch.zeros((input_ids.shape[0], max(input_ids.shape[1] - 1, 0)), device=input_ids.device)
+    return z, (z.clone() if with_entropy else None)
+
+
 class PaddedForward:
     """One forward over the right-padded ``[B, T]`` batch (the reference layout)."""
 
@@ -68,12 +77,13 @@ class PaddedForward:
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-        b, t = logits.shape[:2]
-        logp, entropy = _tempered_logprobs(
-            logits.reshape(b * t, -1), input_ids[:, 1:].reshape(-1), temperature, with_entropy
-        )
-        return logp.view(b, t), None if entropy is None else entropy.view(b, t)
+        if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+            return _empty(input_ids, with_entropy)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logp, entropy = _tempered_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
+        real = attention_mask[:, 1:] > 0  # a target exists where the next token is real
+        logp = torch.where(real, logp, torch.zeros_like(logp))
+        return logp, None if entropy is None else torch.where(real, entropy, torch.zeros_like(entropy))
 
 
 @dataclass
@@ -108,8 +118,8 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 def pack_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int) -> PackPlan:
     """Lay the sequences of a right-padded batch end to end in rows of ``row_tokens`` tokens."""
     b, t = input_ids.shape
-    lengths = attention_mask.sum(dim=1).tolist()
-    bins = first_fit_decreasing([int(n) for n in lengths], row_tokens)
+    lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+    bins = first_fit_decreasing(lengths, row_tokens)
     width = max(max(sum(lengths[i] for i in row) for row in bins), 2)
     ids = torch.zeros((len(bins), width), dtype=input_ids.dtype, device=input_ids.device)
     pos = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
@@ -133,8 +143,13 @@ def pack_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens:
     return PackPlan(ids, pos, src_t, dst_t, targets)
 
 
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
 class PackedForward:
     """Padding-free forward: sequences packed into rows with restarting position ids."""
+
+    CHECK_SEQUENCES = 4  # the first call per model compares this many sequences with padded
 
     def __init__(self, row_tokens: int | None = None) -> None:
         check(
@@ -144,6 +159,15 @@ class PackedForward:
             "null (the minibatch's longest sequence) or an int >= 2",
         )
         self.row_tokens = row_tokens
+        self._checked: set[int] = set()
+
+    def capacity(self, model: torch.nn.Module, lengths: torch.Tensor) -> int:
+        """Row length in tokens: everything in one row under flash attention (boundaries
+        come from position ids only for a single row), else ``row_tokens`` or the longest."""
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if attn in FLASH:
+            return max(int(lengths.sum()), 2)
+        return max(self.row_tokens or 0, int(lengths.max()), 2)
 
     def __call__(
         self,
@@ -154,8 +178,11 @@ class PackedForward:
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = input_ids.shape
-        longest = int(attention_mask.sum(dim=1).max()) if b else 0
-        plan = pack_plan(input_ids, attention_mask, max(self.row_tokens or 0, longest, 2))
+        if b == 0 or t < 2:
+            return _empty(input_ids, with_entropy)
+        if id(model) not in self._checked:
+            self.check_against_padded(model, input_ids, attention_mask)
+        plan = pack_plan(input_ids, attention_mask, self.capacity(model, attention_mask.sum(dim=1)))
         # attention_mask=None: transformers derives the block-diagonal mask from position_ids
         logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
@@ -164,6 +191,32 @@ class PackedForward:
         return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(
             entropy, plan.dst, shape
         )
+
+    @torch.no_grad()
+    def check_against_padded(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> None:
+        """Once per model: a few sequences packed into one row must score as they do padded."""
+        rows = (attention_mask.sum(dim=1) >= 2).nonzero().squeeze(1)[: self.CHECK_SEQUENCES]
+        if len(rows) < 2:
+            return  # nothing to pack together yet: check on a later call
+        ids, am = input_ids[rows], attention_mask[rows]
+        ref, _ = PaddedForward()(model, ids, am)
+        plan = pack_plan(ids, am, max(int(am.sum()), 2))
+        logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
+        got = _scatter(_tempered_logprobs(flat, plan.targets, 1.0, False)[0], plan.dst, ref.shape)
+        diff = float((got - ref).abs().max())
+        precise = next(model.parameters()).dtype in (torch.float32, torch.float64)
+        tolerance = 1e-3 if precise else 5e-2
+        check(
+            "module.forward",
+            "packed",
+            diff <= tolerance,
+            f"bucketed or padded for this model: packed sequences score differently from padded "
+            f"ones (max |diff| {diff:.2e} > {tolerance:g}), so its attention ignores packed position ids",
+        )
+        self._checked.add(id(model))
 
 
 class BucketedForward:
@@ -199,6 +252,8 @@ class BucketedForward:
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = input_ids.shape
+        if b == 0 or t < 2:
+            return _empty(input_ids, with_entropy)
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         logps, ents, dsts = [], [], []
         for rows in self.buckets(lengths):

@@ -9,10 +9,12 @@ One optimizer step, from the end of the previous one:
               held-out evaluation, checkpointing and Lightning's bookkeeping of that step
     wait      waiting for the rollout batch (only on a rollout batch's first step)
     prepare   the pi_old / recompute / KL-reward passes (same)
-    forward   the training forward pass and the loss
-    overhead  the rest of the training step (metric logging) and Lightning's hooks
+    forward   the training forward pass and the loss (up to reading the loss back, so on a
+              GPU it holds the forward's kernels, not just their launch)
+    overhead  the rest of the training step (metric logging), zero_grad (Lightning runs it
+              between the training step and backward) and Lightning's hooks
     backward  autograd
-    optimizer gradient clipping, the optimizer step, zero_grad
+    optimizer gradient clipping, the optimizer step, a per-step lr scheduler
 
 ``perf/step_s`` is their sum (the step's share of wall time). The weight sync itself is also
 logged as ``perf/weight_sync_s`` and the engine's verify pass as ``perf/weight_verify_s``. On a

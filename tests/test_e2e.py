@@ -83,7 +83,9 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
     phases = ("gap", "wait", "prepare", "forward", "overhead", "backward", "optimizer")
     for i, r in enumerate(train_rows):
         parts = [float(r[f"perf/step_{p}_s"]) for p in phases]
-        assert min(parts) >= 0 and float(r["perf/step_forward_s"]) > 0 and float(r["perf/step_backward_s"]) > 0
+        assert (
+            min(parts) >= 0 and float(r["perf/step_forward_s"]) > 0 and float(r["perf/step_backward_s"]) > 0
+        )
         assert sum(parts) == pytest.approx(float(r["perf/step_s"]), rel=1e-6, abs=1e-6)
         if i % minibatches:
             assert float(r["perf/step_wait_s"]) == 0.0

@@ -217,6 +217,36 @@ def test_the_module_never_overwrites_mu(models):
             assert torch.allclose(got, expected, atol=1e-5, rtol=0), anchor  # float32 layouts
 
 
+def test_pi_old_of_unflagged_samples_stays_mu_across_epochs(models):
+    """Bypass with one Recompute-flagged sample, 3 minibatches x 2 epochs: samples whose
+    first-epoch minibatch had no flagged row are never scored, and later epochs must not
+    look them up (they keep pi_old := mu); the flagged one gets the current policy."""
+    from data.rollout.batches import minibatches
+    from modules.config import build
+    from tests.conftest import compose
+    from tests.test_loss_selection import synthetic_exps
+
+    module = build(compose([f"model.path={models['tied']}"]).module)
+    module.configure_model()
+    exps = synthetic_exps()
+    exps[0].recompute = True
+    steps = module.prepare_rollout_batch(minibatches(exps, 3, 2, random.Random(0), 0, {}, sync_after=False))
+    for batch in steps:
+        fresh = module.old_logprobs(batch)
+        logp, _ = module.forward_logprobs(
+            module.policy, batch["input_ids"], batch["attention_mask"], module.temperature
+        )
+        module._complete_old_logprobs(batch, logp)
+        if not batch["recompute"].any():
+            assert "old_logprobs" not in batch  # the loss uses mu
+            continue
+        flagged = batch["recompute"]
+        real = batch["attention_mask"][:, 1:] > 0
+        old = batch["old_logprobs"]
+        assert torch.allclose(old[flagged][real[flagged]], fresh[flagged][real[flagged]], atol=1e-5)
+        assert torch.equal(old[~flagged], batch["behavior_logprobs"][~flagged])
+
+
 def test_dropout_is_off_in_rl_forward_passes(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -154,6 +154,7 @@ def test_logprobs_and_entropy_match_padded_and_padding_reads_zero(model64):
     ids, am = batch["input_ids"], batch["attention_mask"]
     ref, ref_ent = PaddedForward()(model64, ids, am, 0.7, with_entropy=True)
     real = am[:, 1:] > 0
+    assert not ref[~real].any() and not ref_ent[~real].any()  # no target there: zero
     for name, layout in LAYOUTS.items():
         logp, ent = layout(model64, ids, am, 0.7, with_entropy=True)
         assert logp.shape == ref.shape and ent.shape == ref.shape, name
@@ -192,6 +193,45 @@ def test_pack_plan_places_every_token_once_in_bounded_rows():
     assert all(sum(lengths[i] for i in row) <= 40 for row in bins)
     assert len(bins) == -(-sum(lengths) // 40)  # first-fit decreasing is tight here
     assert first_fit_decreasing([50, 3], 10) == [[0], [1]]  # too long: a row of its own
+
+
+def test_a_model_that_ignores_packed_position_ids_is_refused(model64):
+    """Packing relies on the model building its mask from position ids; one that does not
+    (here: a wrapper that drops them) would silently attend across sequences."""
+    from modules.config_errors import ConfigError
+
+    class DropsPositions(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+    batch = ragged_batch(seed=4)
+    with pytest.raises(ConfigError, match="module.forward"):
+        PackedForward()(DropsPositions(model64), batch["input_ids"], batch["attention_mask"])
+    PackedForward()(model64, batch["input_ids"], batch["attention_mask"])  # the real one passes
+
+
+def test_flash_attention_packs_everything_into_one_row(model64):
+    """transformers' flash path reads sequence boundaries from position ids only for one row."""
+    lengths = torch.tensor([5, 30, 2, 9])
+    forward = PackedForward(row_tokens=8)
+    assert forward.capacity(model64, lengths) == 30  # sdpa: the longest sequence
+    impl = model64.config._attn_implementation
+    try:
+        model64.config._attn_implementation = "flash_attention_2"
+        assert forward.capacity(model64, lengths) == 46  # everything in one row
+    finally:
+        model64.config._attn_implementation = impl
+
+
+def test_empty_batches_give_empty_logprobs(model64):
+    ids = torch.zeros((0, 5), dtype=torch.long)
+    for layout in (PaddedForward(), *LAYOUTS.values()):
+        logp, ent = layout(model64, ids, torch.zeros_like(ids), 1.0, with_entropy=True)
+        assert logp.shape == (0, 4) and ent.shape == (0, 4)
 
 
 def test_bad_row_settings_name_the_field():
