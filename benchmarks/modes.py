@@ -73,6 +73,11 @@ def mean_of(rows: list[dict[str, str]], key: str, skip: int = 0) -> float:
 
 
 def summarize(values: list[float]) -> dict[str, float]:
+    """Mean, std, min, max over seeds; NaN (a figure a run does not have, e.g. the TRL peer's
+    engine idle fraction) everywhere when every value is NaN."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return {"mean": float("nan"), "std": float("nan"), "min": float("nan"), "max": float("nan")}
     return {
         "mean": statistics.fmean(values),
         "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
@@ -164,6 +169,8 @@ def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, s
     bound_of = {}
     for spec in specs:
         recipe, extra = split_spec(spec)
+        if recipe == TRL:
+            continue
         key = bound_key(compose_config([f"recipe={recipe}", "seed=0", *extra]))
         if key in keys:
             bound_of[spec] = keys[key]
