@@ -5,8 +5,10 @@
 
 * Ctrl-C and SIGTERM: Lightning turns them into ``SystemExit`` (after ``CheckpointOnInterrupt``
   wrote ``interrupted.ckpt``); the process exits 130 / 143 so a scheduler can tell them apart
-  and requeue. Under DDP the other ranks stop with rank 0 and exit 0 (a nonzero exit of theirs
-  would make Lightning's observer SIGKILL rank 0 mid-shutdown).
+  and requeue, also when shutting down after the signal raised an error of its own (the
+  signal reaches the engine too, e.g. mid weight sync). Under DDP the other ranks stop with
+  rank 0 and exit 0 (a nonzero exit of theirs would make Lightning's observer SIGKILL rank 0
+  mid-shutdown).
 * Any other failure on rank 0 kills the DDP ranks it launched, which would otherwise wait in
   a collective until its timeout.
 * The datamodule is torn down (engine and reward workers stopped) however fit ends.
@@ -40,9 +42,15 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
     except SystemExit as e:
         code = exit_code(e)
         raise SystemExit(code if trainer.global_rank == 0 else 0) from None
-    except BaseException:
+    except BaseException as e:
         stop_other_ranks(trainer)
-        raise
+        code = interrupt_code(e)
+        if code is None:
+            raise
+        # The interrupt came first; shutting down after it failed too (e.g. Ctrl-C reached the
+        # engine during a weight sync). The exit code still says "interrupted".
+        log.error("interrupted (exit %d); shutting down also raised %r", code, e, exc_info=e)
+        raise SystemExit(code if trainer.global_rank == 0 else 0) from None
     finally:
         datamodule.teardown("fit")  # a no-op when Lightning already tore it down
     release_freed_memory()
@@ -52,14 +60,22 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
 def exit_code(exc: SystemExit) -> int:
     """130 for Ctrl-C (Lightning exits from inside its KeyboardInterrupt handler), 143 for
     SIGTERM (``SIGTERMException``), else 1."""
+    code = interrupt_code(exc)
+    return 1 if code is None else code
+
+
+def interrupt_code(exc: BaseException) -> int | None:
+    """130 / 143 when ``exc`` is, or was raised while handling, a Ctrl-C / SIGTERM."""
     seen: BaseException | None = exc
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         if isinstance(seen, SIGTERMException):
             return EXIT_SIGTERM
         if isinstance(seen, KeyboardInterrupt):
             return EXIT_CTRL_C
-        seen = seen.__context__
-    return 1
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def stop_other_ranks(trainer: L.Trainer) -> None:

@@ -1,0 +1,69 @@
+"""Exit codes around ``trainer.fit`` (``modules/guard.py``): an interrupt stays an interrupt.
+
+Ctrl-C reaches the engine's process too, so shutting down after it can fail on its own (a
+weight sync cut short); the run must still exit 130 (143 for SIGTERM), not 1, so a scheduler
+requeues it, and a genuine failure must still surface as itself.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from modules.guard import EXIT_CTRL_C, EXIT_SIGTERM, guarded_fit
+
+
+class Datamodule:
+    def __init__(self) -> None:
+        self.torn_down = 0
+
+    def teardown(self, stage: str) -> None:
+        self.torn_down += 1
+
+
+def run(body, rank: int = 0) -> tuple[BaseException | None, Datamodule]:
+    trainer = SimpleNamespace(global_rank=rank, strategy=SimpleNamespace(launcher=None))
+    dm = Datamodule()
+    try:
+        with guarded_fit(trainer, dm):
+            body()
+    except BaseException as e:  # noqa: BLE001 - the test inspects what escaped
+        return e, dm
+    return None, dm
+
+
+def raise_during(first: BaseException, then: BaseException):
+    def body() -> None:
+        try:
+            raise first
+        except BaseException:
+            raise then  # noqa: B904 - implicit chaining (__context__) is what Python does here
+
+    return body
+
+
+@pytest.mark.parametrize(
+    ("first", "code"), [(KeyboardInterrupt(), EXIT_CTRL_C), (SIGTERMException(), EXIT_SIGTERM)]
+)
+def test_lightning_exit_after_an_interrupt_keeps_its_code(first, code):
+    err, dm = run(raise_during(first, SystemExit(1)))  # Lightning's handler calls exit(1)
+    assert isinstance(err, SystemExit) and err.code == code and dm.torn_down == 1
+    err, _ = run(raise_during(first, SystemExit(1)), rank=1)
+    assert isinstance(err, SystemExit) and err.code == 0  # DDP: other ranks exit cleanly
+
+
+@pytest.mark.parametrize(
+    ("first", "code"), [(KeyboardInterrupt(), EXIT_CTRL_C), (SIGTERMException(), EXIT_SIGTERM)]
+)
+def test_an_error_while_shutting_down_after_an_interrupt_still_exits_as_interrupted(first, code):
+    err, dm = run(raise_during(first, RuntimeError("engine died during the weight sync")))
+    assert isinstance(err, SystemExit) and err.code == code and dm.torn_down == 1
+
+
+def test_a_real_failure_is_not_mistaken_for_an_interrupt():
+    err, dm = run(raise_during(ValueError("bad batch"), RuntimeError("engine died")))
+    assert isinstance(err, RuntimeError) and dm.torn_down == 1
+    err, _ = run(raise_during(ValueError("x"), SystemExit(1)))
+    assert isinstance(err, SystemExit) and err.code == 1
