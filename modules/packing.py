@@ -183,11 +183,17 @@ class PackedForward:
         if id(model) not in self._checked:
             self.check_against_padded(model, input_ids, attention_mask)
         plan = pack_plan(input_ids, attention_mask, self.capacity(model, attention_mask.sum(dim=1)))
+        return self.run(model, plan, (b, t - 1), temperature, with_entropy)
+
+    @staticmethod
+    def run(
+        model: torch.nn.Module, plan: PackPlan, shape: tuple[int, int], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed forward of ``plan``, scattered back to the padded ``shape``."""
         # attention_mask=None: transformers derives the block-diagonal mask from position_ids
         logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
         logp, entropy = _tempered_logprobs(flat, plan.targets, temperature, with_entropy)
-        shape = (b, t - 1)
         return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(
             entropy, plan.dst, shape
         )
@@ -202,10 +208,7 @@ class PackedForward:
             return  # nothing to pack together yet: check on a later call
         ids, am = input_ids[rows], attention_mask[rows]
         ref, _ = PaddedForward()(model, ids, am)
-        plan = pack_plan(ids, am, max(int(am.sum()), 2))
-        logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
-        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
-        got = _scatter(_tempered_logprobs(flat, plan.targets, 1.0, False)[0], plan.dst, ref.shape)
+        got, _ = self.run(model, pack_plan(ids, am, max(int(am.sum()), 2)), ref.shape, 1.0, False)
         diff = float((got - ref).abs().max())
         precise = next(model.parameters()).dtype in (torch.float32, torch.float64)
         tolerance = 1e-3 if precise else 5e-2
