@@ -115,3 +115,74 @@ def mean_curve_held(
         return float(vs[-1]) if t >= ts[-1] else interp(ts, vs, t)
 
     return grid, [statistics.fmean(at(ts, vs, t) for ts, vs in curves) for t in grid]
+
+
+# Two-sided 95 % Student t quantiles by degrees of freedom (no scipy here); beyond 30, normal.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"df={df}: a t interval needs at least 2 values")
+    return _T95[df - 1] if df <= len(_T95) else 1.960
+
+
+def mean_ci(values: Sequence[float | None]) -> dict[str, object]:
+    """Mean over seeds with a 95 % t interval (sample std, ``n - 1``); None and NaN skipped
+    and counted. ``lo``/``hi`` are None with fewer than 2 values."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    out: dict[str, object] = {"mean": None, "lo": None, "hi": None, "std": None, "n": len(vals)}
+    out["n_total"] = len(values)
+    if not vals:
+        return out
+    m = statistics.fmean(vals)
+    out["mean"] = m
+    if len(vals) > 1:
+        s = statistics.stdev(vals)
+        half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
+        out.update(std=s, lo=m - half, hi=m + half)
+    return out
+
+
+def bootstrap_ci(
+    a: Sequence[float], b: Sequence[float], op: str = "ratio", n_boot: int = 10000, seed: int = 0
+) -> dict[str, float | None]:
+    """``mean(a) / mean(b)`` (``op="ratio"``) or ``mean(a) - mean(b)`` (``op="diff"``) for two
+    independent groups of seeds, with a 95 % percentile bootstrap interval (each group resampled
+    with replacement on its own). None where a group is empty (or a ratio's denominator is 0)."""
+    import random
+
+    if op not in ("ratio", "diff"):
+        raise ValueError(f"op={op!r}: ratio | diff")
+    a = [float(v) for v in a]
+    b = [float(v) for v in b]
+    none = {"value": None, "lo": None, "hi": None}
+
+    def stat(x: list[float], y: list[float]) -> float | None:
+        mx, my = statistics.fmean(x), statistics.fmean(y)
+        if op == "diff":
+            return mx - my
+        return mx / my if my != 0 else None
+
+    if not a or not b or stat(a, b) is None:
+        return none
+    rng = random.Random(seed)
+    draws = [stat(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))) for _ in range(n_boot)]
+    draws = sorted(d for d in draws if d is not None)
+    return {
+        "value": stat(a, b),
+        "lo": draws[int(0.025 * (len(draws) - 1))],
+        "hi": draws[int(0.975 * (len(draws) - 1))],
+    }
+
+
+def reward_at(times: Sequence[float], values: Sequence[float], t: float) -> float:
+    """The reward of the policy a run has at training time ``t``: linear between evaluations,
+    the final reward after the run ends (its policy still exists)."""
+    pts = _clean(times, values)
+    if not pts:
+        return math.nan
+    return pts[-1][1] if t >= pts[-1][0] else interp([p[0] for p in pts], [p[1] for p in pts], t)

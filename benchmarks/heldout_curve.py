@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import re
 import time
@@ -74,7 +75,7 @@ def run_overrides(run_dir: Path) -> list[str]:
     return [o for o in saved if not o.lstrip("+~").startswith("hydra.")]
 
 
-def evaluate_run(run_dir: Path) -> dict[str, Any]:
+def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
@@ -93,7 +94,21 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     try:
         probe = dm.tokenizer(dm.task.prompt_text(dm.eval_rows[0]))["input_ids"]
         t0 = time.perf_counter()
-        points.append({"step": 0, "policy_version": 0, "train_wall_s": 0.0, "samples": 0.0, **dm.evaluate()})
+        # The starting policy is model.path for every run of a config: with ``initial`` its
+        # evaluation is read from there when a run before this one wrote it (same weights,
+        # same prompts and per-request seeds), else made and written there.
+        key = json.dumps({"model": str(cfg.module.model_path), "eval": eval_signature(dm)}, sort_keys=True)
+        cache = None
+        if initial is not None:
+            initial.mkdir(parents=True, exist_ok=True)
+            cache = initial / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+        if cache is not None and cache.exists() and json.loads(cache.read_text())["key"] == key:
+            start = json.loads(cache.read_text())["metrics"]
+        else:
+            start = dm.evaluate()
+            if cache is not None:
+                cache.write_text(json.dumps({"key": key, "metrics": start}))
+        points.append({"step": 0, "policy_version": 0, "train_wall_s": 0.0, "samples": 0.0, **start})
         policy, _ = load_policy(cfg.module.model_path)
         policy.eval()
         # The final weights: the last step checkpoint, or else the run's hf_model (saved at the
@@ -158,11 +173,29 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     return result
 
 
+def eval_signature(dm: Any) -> dict[str, Any]:
+    """What the held-out evaluation of a policy depends on besides its weights."""
+    ev = dm.evaluator
+    return {
+        "rows": [dm.task.prompt_text(r) for r in dm.eval_rows],
+        "temperature": ev.temperature,
+        "max_tokens": ev.max_tokens,
+        "samples": ev.samples,
+        "task": repr(dm.task),  # per-request sampling seeds: the engine's own seed plays no part
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument(
+        "--initial",
+        type=Path,
+        help="folder caching the starting policy's evaluation across runs (one file per model "
+        "and evaluation config)",
+    )
     args = parser.parse_args()
-    print(json.dumps(evaluate_run(args.run_dir.resolve())))
+    print(json.dumps(evaluate_run(args.run_dir.resolve(), args.initial)))
 
 
 if __name__ == "__main__":

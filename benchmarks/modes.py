@@ -48,13 +48,27 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_metrics import (
+    bootstrap_ci,
+    mean_ci,
     mean_curve_held,
+    reward_at,
     summarize_times,
     target_from_finals,
     time_to_reward,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPES = [
+    "sync_grpo",
+    "partial_grpo",
+    "async_grpo",
+    # streaming with admission control (AReaL-style: nothing dropped, the trainer may wait)
+    "async_grpo:rollout/staleness=admit",
+    # streaming at K = 2 with the decoupled anchor and truncated IS
+    "async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis",
+    # does stratified selection give back what dropping long groups costs the long level?
+    "async_grpo:rollout/selection=stratified",
+]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -88,11 +102,11 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument(
         "--recipes",
         nargs="+",
-        default=["sync_grpo", "partial_grpo", "async_grpo", "async_grpo:rollout/selection=stratified"],
+        default=DEFAULT_RECIPES,
         help="recipe names; 'name:override,override' adds overrides to one variant",
     )
     parser.add_argument(
@@ -279,6 +293,8 @@ def run_recipe(
     if eval_every:
         k = eval_every * (1 if recipe == TRL else steps_per_version([f"recipe={recipe}", *overrides]))
         injected.append(f"callbacks.checkpoint.every_n_train_steps={k}")
+        if recipe != TRL:  # the curve evaluates the first and last policy too: no inline pass
+            injected.append("~callbacks.eval")
     per_seed = []
     for seed in seeds:
         run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
@@ -290,9 +306,9 @@ def run_recipe(
         wall = time.time() - t0
         rows = read_metrics(run_dir)
         curve = heldout_curve(run_dir, prune_checkpoints) if eval_every else None
-        if recipe == TRL:  # no in-training evaluation: first and last come from the curve
-            if curve is None:
-                sys.exit("the trl peer needs --eval-every > 0 (its held-out reward is post hoc)")
+        if recipe == TRL and curve is None:
+            sys.exit("the trl peer needs --eval-every > 0 (its held-out reward is post hoc)")
+        if curve is not None:  # no in-training evaluation: first and last come from the curve
             pts = curve["points"]
             (run_dir / "eval_summary.json").write_text(
                 json.dumps({"first": pts[0], "last": pts[-1], "history": pts}, indent=1)
@@ -386,8 +402,10 @@ def aggregate(per_seed: list[dict]) -> dict:
 
 
 def heldout_curve(run_dir: Path, prune_checkpoints: bool) -> dict:
-    """Evaluate the run's checkpoints after training (``benchmarks.heldout_curve``)."""
-    cmd = [sys.executable, "-m", "benchmarks.heldout_curve", str(run_dir)]
+    """Evaluate the run's checkpoints after training (``benchmarks.heldout_curve``); the
+    starting policy's evaluation is made once and shared by every run that starts from it."""
+    cache = run_dir.parent.parent / "initial_eval"
+    cmd = [sys.executable, "-m", "benchmarks.heldout_curve", str(run_dir), f"--initial={cache}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"held-out curve of {run_dir} failed:\n{proc.stderr[-3000:]}")
@@ -417,6 +435,9 @@ def curve_fields(curve: dict | None) -> dict:
         ],
         "curve_weight_check_max_abs_diff": curve["weight_check_max_abs_diff"],
         "posthoc_eval_s": curve["posthoc_eval_s"],
+        # every eval/* figure of the first and last post-hoc evaluation (per level, exact match)
+        "curve_first": {k: v for k, v in pts[0].items() if k.startswith("eval/")} if pts else {},
+        "curve_last": {k: v for k, v in pts[-1].items() if k.startswith("eval/")} if pts else {},
     }
     inline = curve.get("inline_last") or {}
     if pts and inline and curve.get("inline_last_step") == pts[-1]["step"]:
@@ -507,10 +528,110 @@ def add_comparisons(
                 ttr[name + "_seed_mean_curve"] = time_to_reward(grid, mean, target, True)
             ttr["train_wall_s_per_seed"] = [s["train_wall_s"] for s in runs]
             agg["time_to_reward_s"] = ttr
+    if targets and ref_runs:
+        add_power(result, all_runs, reference, targets)
+
+
+FINAL_KEYS = ("eval/sampled_reward_mean", "eval/reward_mean", "eval/sampled_exact_mean", "eval/exact_mean")
+EQUAL_WALL_FRACTIONS = (0.25, 0.4, 0.5, 1.0)
+
+
+def add_power(result: dict, all_runs: dict[str, list[dict]], reference: str, targets: dict) -> None:
+    """The comparisons a claim rests on, each with a 95 % interval over seeds (``power`` per
+    recipe):
+
+    * ``final``: final held-out figures (overall, per level, exact match): mean, t interval;
+    * ``final_minus_reference``: the sampled-reward difference to the reference, bootstrap CI;
+    * ``time_to_90pct_gain_s``: training wall time until the sampled reward reaches the start
+      plus 90 % of the reference's mean gain (interpolated), mean and t interval over the seeds
+      that reached it (``n`` of ``n_total``);
+    * ``time_ratio_to_reference``: that time over the reference's, ratio of means with a
+      bootstrap CI (seeds that never reached it are left out and counted in ``n``);
+    * ``reward_at_equal_wall``: the sampled reward each run's policy has at fractions of the
+      reference's mean training wall time (a run that has ended keeps its final policy).
+    """
+    ref_runs = all_runs[reference]
+    target = targets.get("sampled_90pct_gain")
+    ref_wall = statistics.fmean(s["train_wall_s"] for s in ref_runs)
+
+    def times(runs: list[dict]) -> list[float | None]:
+        return [
+            time_to_reward(
+                [p["train_wall_s"] for p in s["curve"]], [p["sampled"] for p in s["curve"]], target, True
+            )
+            for s in runs
+        ]
+
+    ref_times = [t for t in times(ref_runs) if t is not None] if target is not None else []
+    ref_final = [s["curve"][-1]["sampled"] for s in ref_runs]
+    for spec, runs in all_runs.items():
+        if not all(s.get("curve") for s in runs):
+            continue
+        last_keys = sorted(
+            {
+                k
+                for s in runs
+                for k in s.get("curve_last", {})
+                if k.startswith(FINAL_KEYS + ("eval/sampled_", "eval/exact_"))
+            }
+        )
+        power: dict = {
+            "final": {k: mean_ci([s.get("curve_last", {}).get(k) for s in runs]) for k in last_keys},
+            "start": {k: mean_ci([s.get("curve_first", {}).get(k) for s in runs]) for k in last_keys},
+            "final_minus_reference": bootstrap_ci(
+                [s["curve"][-1]["sampled"] for s in runs], ref_final, "diff"
+            ),
+            "train_wall_s": mean_ci([s["train_wall_s"] for s in runs]),
+            "reward_at_equal_wall": {
+                f"{frac:g}x_reference_wall": {
+                    "t_s": frac * ref_wall,
+                    **mean_ci(
+                        [
+                            reward_at(
+                                [p["train_wall_s"] for p in s["curve"]],
+                                [p["sampled"] for p in s["curve"]],
+                                frac * ref_wall,
+                            )
+                            for s in runs
+                        ]
+                    ),
+                }
+                for frac in EQUAL_WALL_FRACTIONS
+            },
+        }
+        if target is not None:
+            mine = times(runs)
+            reached = [t for t in mine if t is not None]
+            power["time_to_90pct_gain_s"] = {"target": target, **mean_ci(mine)}
+            power["time_ratio_to_reference"] = {
+                "n": len(reached),
+                "n_total": len(mine),
+                **bootstrap_ci(reached, ref_times, "ratio"),
+            }
+        result["recipes"][spec]["power"] = power
+
+
+def curve_band(
+    curves: list[tuple[list[float], list[float]]], points: int = 60
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Seed mean of the reward each run's policy has at time t (ended runs keep their final
+    reward) with a 95 % t band, on a grid up to the longest run."""
+    curves = [c for c in curves if c[0]]
+    if not curves:
+        return [], [], [], []
+    end = max(max(ts) for ts, _ in curves)
+    grid = [end * i / (points - 1) for i in range(points)]
+    mean, lo, hi = [], [], []
+    for t in grid:
+        ci = mean_ci([reward_at(ts, vs, t) for ts, vs in curves])
+        mean.append(ci["mean"])
+        lo.append(ci["lo"] if ci["lo"] is not None else ci["mean"])
+        hi.append(ci["hi"] if ci["hi"] is not None else ci["mean"])
+    return grid, mean, lo, hi
 
 
 def plot_reward_vs_wall(all_runs: dict[str, list[dict]], targets: dict, path: Path) -> None:
-    """Held-out reward vs training wall-clock per mode: seeds faint, their mean bold, target dashed."""
+    """Held-out reward vs training wall-clock per mode: seed mean with its 95 % band, target dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -527,20 +648,23 @@ def plot_reward_vs_wall(all_runs: dict[str, list[dict]], targets: dict, path: Pa
                 for s in runs
                 if s.get("curve")
             ]
-            for ts, vs in curves:
-                ax.plot(ts, vs, color=f"C{i}", alpha=0.25, marker=".", lw=0.8)
-            grid, mean = mean_curve_held(curves)  # ended runs keep their final reward
+            grid, mean, lo, hi = curve_band(curves)
             if grid:
-                ax.plot(grid, mean, color=f"C{i}", lw=2, label=f"{recipe} (mean of {len(curves)})")
+                ax.plot(grid, mean, color=f"C{i}", lw=2, label=f"{recipe} ({len(curves)} seeds)")
+                ax.fill_between(grid, lo, hi, color=f"C{i}", alpha=0.2, lw=0)
+                ends = [ts[-1] for ts, _ in curves]
+                ax.axvline(statistics.fmean(ends), color=f"C{i}", ls=":", lw=0.8)
         if name in targets:
             ax.axhline(targets[name], color="k", ls="--", lw=1, label=f"target {targets[name]:.3f}")
         soft = targets.get(name + "_90pct_gain")
         if soft is not None:
             ax.axhline(soft, color="k", ls=":", lw=1, label=f"90% of its gain {soft:.3f}")
-        ax.set_xlabel("training wall-clock s (evaluation excluded)")
+        ax.set_xlabel("training wall-clock s (evaluation excluded; dotted: mean end of run)")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle("held-out reward vs training time; target = reference recipe's final reward")
+    fig.suptitle(
+        "held-out reward vs training time: seed mean and 95% band; target = reference's final reward"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -53,7 +53,6 @@ MATCHED = {  # project fields TRL can mirror only at these values
     "algo.epochs": 1,
     "algo.loss.anchor": "bypass",
     "algo.loss.aggregation": "token_mean",
-    "algo.loss.kl_coef": 0.0,
     "algo.kl_reward.coef": 0.0,
     "algo.advantage.scale_by_std": True,
     "data.sync_every": 1,
@@ -67,6 +66,14 @@ def check_matchable(cfg: Any) -> None:
         value = OmegaConf.select(cfg, field)
         if value != allowed:
             raise SystemExit(f"{field}={value!r}: the TRL peer mirrors only {field}={allowed!r}")
+    if float(cfg.algo.loss.kl_coef) > 0:  # TRL's beta: per-token k3 to the initial model, in the loss
+        if cfg.algo.loss.kl_kind != "k3":
+            raise SystemExit(f"algo.loss.kl_kind={cfg.algo.loss.kl_kind!r}: the TRL peer mirrors only k3")
+        if str(cfg.module.ref_model_path) != str(cfg.module.model_path):
+            raise SystemExit(
+                f"module.ref_model_path={cfg.module.ref_model_path!r}: the TRL peer's reference is the "
+                f"starting model, module.model_path={cfg.module.model_path!r}"
+            )
     if cfg.algo.correction._target_ != "modules.corrections.NoCorrection":
         raise SystemExit("algo/correction: the TRL peer mirrors only algo/correction=none")
     if not str(cfg.algo.objective._target_).endswith("ppo_clip"):
@@ -135,7 +142,7 @@ def main() -> None:
         temperature=float(sampling.temperature),
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k) if int(sampling.top_k) > 0 else 0,
-        beta=0.0,
+        beta=float(cfg.algo.loss.kl_coef),
         epsilon=float(eps.eps_low),
         epsilon_high=float(eps.eps_high),
         loss_type="dapo",  # token mean over the step's tokens = algo.loss.aggregation=token_mean

@@ -20,6 +20,12 @@ from modules.config_errors import check
 from modules.tiny_model import build_char_tokenizer
 
 
+def target(row: dict) -> str:
+    """What SFT imitates: the row's ``demo`` where the task provides one (the remainder task's
+    sloppy demonstrator), else its reference ``answer``."""
+    return row["demo"] if row.get("demo") is not None else row["answer"]
+
+
 class LengthBucketSampler(Sampler[list[int]]):
     """Batches of similar length (padding waste is ~6x without it: the length tail is long).
 
@@ -83,7 +89,7 @@ class SFTDataModule(L.LightningDataModule):
         seqs, labels = [], []
         for r in rows:
             p = tok(self.task.prompt_text(r))["input_ids"]
-            a = tok(r["answer"])["input_ids"] + [eos]
+            a = tok(target(r))["input_ids"] + [eos]
             seqs.append(p + a)
             labels.append([-100] * len(p) + a)
         n = max(map(len, seqs))
@@ -98,7 +104,7 @@ class SFTDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rows = list(self.train_rows)
-        lengths = [len(r["prompt"]) + len(r["answer"]) for r in rows]
+        lengths = [len(r["prompt"]) + len(target(r)) for r in rows]
         sampler = LengthBucketSampler(lengths, self.batch_size)
         return DataLoader(
             rows, batch_sampler=sampler, collate_fn=self._collate_train, num_workers=self.num_workers

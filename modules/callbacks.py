@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 import time
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class SaveHFModel(L.Callback):
@@ -130,6 +133,26 @@ class EngineStats(L.Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
 
 
+def before_after(first: dict[str, float], last: dict[str, float]) -> list[str]:
+    """'held-out sampled reward 0.312 -> 0.561 (level0 0.52 -> 0.83, ...)' lines for the log."""
+    lines = []
+    for key, name in (
+        ("sampled_reward", "sampled reward"),
+        ("reward", "greedy reward"),
+        ("sampled_exact", "sampled exact match"),
+    ):
+        if f"eval/{key}_mean" not in first or f"eval/{key}_mean" not in last:
+            continue
+        levels = sorted(k for k in first if k.startswith(f"eval/{key}_level") and k in last)
+        per_level = ", ".join(f"{k.rsplit('_', 1)[1]} {first[k]:.2f} -> {last[k]:.2f}" for k in levels)
+        lines.append(
+            f"held-out {name} {first[f'eval/{key}_mean']:.3f} -> {last[f'eval/{key}_mean']:.3f}"
+            + (f" ({per_level})" if per_level else "")
+            + f" at policy version {first.get('policy_version', 0):.0f} -> {last.get('policy_version', 0):.0f}"
+        )
+    return lines
+
+
 class HeldOutEval(L.Callback):
     """Greedy held-out reward from the engine: at start, every N policy versions, at the end.
 
@@ -175,6 +198,9 @@ class HeldOutEval(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.policy_version != self._last_version():
             self._run(trainer, pl_module)
+        if trainer.global_rank == 0 and len(self.history) > 1:
+            for line in before_after(self.history[0], self.history[-1]):
+                log.info(line)
 
     def _last_version(self) -> int:
         return int(self.history[-1]["policy_version"]) if self.history else -1

@@ -113,6 +113,7 @@ class GRPOModule(L.LightningModule):
         self.last_kl_reward_penalty = 0.0  # mean KL reward penalty of the current rollout batch
         self._t_start: float | None = None
         self._samples_at_start = 0
+        self._reward_ema: float | None = None  # progress-bar smoothing only (not checkpointed)
         self._wait_s = 0.0
         self._steps: list[dict[str, Any]] = []  # optimizer steps left of the current rollout batch
         self.current_batch: dict[str, Any] | None = None  # the step's minibatch (WeightSync reads it)
@@ -234,7 +235,11 @@ class GRPOModule(L.LightningModule):
             log(k, v)
         stats = batch.get("rollout_stats") or {}
         for k, v in stats.items():
-            log(k, float(v), prog_bar=k in ("train/reward_mean", "rollout/buffer_size"))
+            log(k, float(v), prog_bar=k == "rollout/buffer_size")
+        if "train/reward_mean" in stats:  # one batch's mean is noisy: show a trend on the bar
+            r = float(stats["train/reward_mean"])
+            self._reward_ema = r if self._reward_ema is None else 0.9 * self._reward_ema + 0.1 * r
+            log("train/reward_ema", self._reward_ema, prog_bar=True)
         log("rollout/policy_version", float(self.policy_version))
         # Staleness from the data itself: current version minus each sample's oldest token.
         big = torch.iinfo(torch.long).max

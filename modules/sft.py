@@ -85,19 +85,27 @@ class SFTModule(L.LightningModule):
 def greedy_rewards(
     model: Any, tokenizer: Any, task: Any, rows: list[dict], max_new_tokens: int
 ) -> list[float]:
-    """Greedy-decode each prompt with transformers and score it with the task."""
+    """Greedy-decode each prompt with transformers and score it with the task.
+
+    Prompts are decoded in groups of equal length, unpadded: with left padding, positions
+    would shift by the padding (``generate`` does not offset them here), and the model, trained
+    on unpadded sequences, would be scored on inputs it never sees in the engine.
+    """
     prompts = [tokenizer(task.prompt_text(r))["input_ids"] for r in rows]
-    n = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts])  # left padding
-    mask = (torch.arange(n)[None, :] >= torch.tensor([n - len(p) for p in prompts])[:, None]).long()
-    out = model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=pad,
-    )
-    texts = tokenizer.batch_decode(out[:, n:], skip_special_tokens=True)
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    texts: list[str] = [""] * len(rows)
+    for idx in by_len.values():
+        ids = torch.tensor([prompts[i] for i in idx], device=model.device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for i, t in zip(idx, tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)):
+            texts[i] = t
     return [task.reward(r, t) for r, t in zip(rows, texts)]

@@ -83,3 +83,71 @@ def test_mean_curve_held_keeps_ended_runs_at_their_final_reward():
     # the mean of the final rewards is reached, at the end of the longest run at the latest
     target = target_from_finals([1.0, 0.5])
     assert time_to_reward(grid, mean, target) == 20.0
+
+
+# --------------------------------------------------------------- intervals for the power table
+
+
+def test_t95_matches_the_t_table_and_falls_back_to_normal():
+    from benchmarks.bench_metrics import t95
+
+    assert t95(1) == 12.706 and t95(4) == 2.776 and t95(30) == 2.042
+    assert t95(200) == 1.960
+    with pytest.raises(ValueError):
+        t95(0)
+
+
+def test_mean_ci_by_hand():
+    from benchmarks.bench_metrics import mean_ci
+
+    ci = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    # mean 3, sample std sqrt(2.5), half width 2.776 * sqrt(2.5) / sqrt(5)
+    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)
+    assert ci["mean"] == 3.0 and ci["std"] == pytest.approx(math.sqrt(2.5))
+    assert ci["lo"] == pytest.approx(3.0 - half) and ci["hi"] == pytest.approx(3.0 + half)
+    assert ci["n"] == 5 and ci["n_total"] == 5
+
+
+def test_mean_ci_skips_missing_values_and_counts_them():
+    from benchmarks.bench_metrics import mean_ci
+
+    ci = mean_ci([None, 2.0, float("nan"), 4.0])
+    assert ci["mean"] == 3.0 and ci["n"] == 2 and ci["n_total"] == 4
+    one = mean_ci([None, 7.0])
+    assert one["mean"] == 7.0 and one["lo"] is None and one["hi"] is None
+    assert mean_ci([None])["mean"] is None
+
+
+def test_bootstrap_ratio_and_difference():
+    from benchmarks.bench_metrics import bootstrap_ci
+
+    a, b = [10.0, 12.0, 11.0, 9.0, 13.0], [20.0, 22.0, 21.0, 19.0, 23.0]
+    r = bootstrap_ci(a, b, "ratio", n_boot=4000)
+    assert r["value"] == pytest.approx(11.0 / 21.0)
+    assert r["lo"] < r["value"] < r["hi"]
+    assert 0.4 < r["lo"] and r["hi"] < 0.65  # tight: both groups vary by +-2 around 11 and 21
+    d = bootstrap_ci(a, b, "diff", n_boot=4000)
+    assert d["value"] == pytest.approx(-10.0) and d["lo"] < -10.0 < d["hi"] < 0
+    # identical groups: a difference interval that covers 0
+    same = bootstrap_ci(a, a, "diff", n_boot=4000)
+    assert same["lo"] < 0 < same["hi"]
+    # reproducible from its seed
+    assert bootstrap_ci(a, b, "ratio", n_boot=500, seed=3) == bootstrap_ci(a, b, "ratio", n_boot=500, seed=3)
+
+
+def test_bootstrap_empty_group_or_zero_denominator_is_none():
+    from benchmarks.bench_metrics import bootstrap_ci
+
+    assert bootstrap_ci([], [1.0])["value"] is None
+    assert bootstrap_ci([1.0], [0.0, 0.0])["value"] is None
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0], [1.0], "product")
+
+
+def test_reward_at_interpolates_and_holds_the_final_policy():
+    from benchmarks.bench_metrics import reward_at
+
+    assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 15.0) == pytest.approx(0.48)
+    assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 100.0) == 0.53  # the run ended at 30 s
+    assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 0.0) == 0.40
+    assert math.isnan(reward_at([], [], 1.0))

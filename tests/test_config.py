@@ -66,6 +66,13 @@ def test_bad_value_fails_fast_naming_the_field(override, expected, tmp_path):
     assert elapsed < 60
 
 
+def test_a_recipes_top_level_keys_win_over_the_base_config():
+    assert compose(["recipe=sft_warmup"]).optimized_metric == "eval/reward_mean"
+    assert compose([]).optimized_metric == "eval/sampled_reward_mean"
+    assert compose(["recipe=gsm8k_grpo"]).torch_threads == 8
+    assert compose(["recipe=gsm8k_grpo", "torch_threads=3"]).torch_threads == 3  # command line last
+
+
 def test_run_dirs_are_per_recipe():
     cfg = compose(["recipe=sft_warmup"])
     assert Path(cfg.model.path).name == "tiny-qwen-sft"

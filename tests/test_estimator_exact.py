@@ -331,7 +331,7 @@ def test_kl_in_the_reward_needs_a_reference_and_group_advantages():
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="module.ref_model_path"):
-        build(compose(["algo.kl_reward.coef=0.1"]).module)
+        build(compose(["algo.kl_reward.coef=0.1", "module.ref_model_path=null"]).module)
     with pytest.raises(ConfigError, match="algo.advantage"):
         build(compose(["rollout=streaming", "algo/advantage=running", "algo.kl_reward.coef=0.1"]).module)
 

@@ -97,7 +97,11 @@ def test_every_method_trains_without_nan(models, objective, correction):
 
 def test_kl_to_reference_needs_a_reference_model(models):
     with pytest.raises(Exception, match="module.ref_model_path"):
-        instantiate(compose(["algo.loss.kl_coef=0.1", f"model.path={models['tied']}"]).module)
+        instantiate(
+            compose(
+                ["algo.loss.kl_coef=0.1", f"model.path={models['tied']}", "module.ref_model_path=null"]
+            ).module
+        )
     module = instantiate(
         compose(
             [

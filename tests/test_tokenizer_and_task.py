@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from data.tasks.remainder import LEVELS, RemainderTask, solve
+import random
+
+from data.tasks.remainder import LEVELS, RemainderTask, demonstrate, solve
 from modules.tiny_model import build_char_tokenizer
 
 
@@ -14,9 +16,9 @@ def test_tokenizer_round_trip():
 
 
 def test_solve_reference():
-    assert solve(47, 5) == "42,37,32,27,22,17,12,7,2."
-    assert solve(5, 3) == "2."
-    assert solve(9, 3) == "6,3,0."
+    assert solve(9, 2) == "9-2=7;7-2=5;5-2=3;3-2=1."
+    assert solve(5, 3) == "5-3=2."
+    assert solve(9, 3) == "9-3=6;6-3=3;3-3=0."
 
 
 def test_generator_is_deterministic_and_splits_differ():
@@ -29,15 +31,71 @@ def test_generator_is_deterministic_and_splits_differ():
         assert row["answer"] == solve(x, b)
         lo, hi = LEVELS[row["level"]]
         assert lo <= row["steps"] <= hi and x // b == row["steps"]
+        assert x <= 99 and task.min_divisor <= b <= task.max_divisor
 
 
-def test_verifier_accepts_only_the_exact_scratchpad():
+def test_prefix_credit_counts_steps_before_the_first_mistake():
     task = RemainderTask()
-    row = {"prompt": "47%5=", "answer": solve(47, 5)}
-    assert task.reward(row, "42,37,32,27,22,17,12,7,2.") == 1.0
-    assert task.reward(row, "2.") == 0.0  # right answer, no work shown
-    assert task.reward(row, "42,37,32,27,22,17,12,7,3.") == 0.0
+    row = {"prompt": "9%2=", "answer": solve(9, 2)}
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1.") == 1.0
+    assert task.reward(row, " 9-2=7;7-2=5;5-2=3;3-2=1.\n") == 1.0  # surrounding whitespace
+    assert task.reward(row, "9-2=7;7-2=5;5-2=4;4-2=2.") == 0.5  # slip at step 3 of 4
+    assert task.reward(row, "9-2=7;7-2=6;6-2=3;3-2=1.") == 0.25  # later steps do not count
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1") == 0.75  # no final "."
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1;1-2=0.") == 0.75  # kept going
+    assert task.reward(row, "1.") == 0.0  # the right answer, no work shown
     assert task.reward(row, "") == 0.0
+
+
+def test_exact_credit_accepts_only_the_exact_scratchpad():
+    task = RemainderTask(credit="exact")
+    row = {"prompt": "9%2=", "answer": solve(9, 2)}
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1.") == 1.0
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=0.") == 0.0
+    assert task.reward(row, "1.") == 0.0
+
+
+def test_prefix_credit_is_one_exactly_when_exact_credit_is():
+    rng = random.Random(0)
+    prefix, exact = RemainderTask(), RemainderTask(credit="exact")
+    for row in prefix.build("eval", 200).to_list():
+        a, b = map(int, row["prompt"][:-1].split("%"))
+        for response in (row["answer"], demonstrate(a, b, 0.3, rng), row["answer"][:-1], row["answer"] + "x"):
+            assert (prefix.reward(row, response) == 1.0) == (exact.reward(row, response) == 1.0)
+            assert 0.0 <= prefix.reward(row, response) <= 1.0
+
+
+def test_demonstrator_slips_at_its_rate_and_propagates_its_slips():
+    rng = random.Random(1)
+    steps = slips = 0
+    for _ in range(400):
+        a, b = rng.randint(20, 99), rng.randint(2, 3)
+        demo = demonstrate(a, b, 0.3, rng)
+        assert demo.endswith(".")
+        prev = a
+        for step in demo[:-1].split(";"):
+            lhs, w = step.split("=")
+            v, bb = map(int, lhs.split("-"))
+            assert v == prev and bb == b  # each step starts from the value written before
+            assert int(w) >= 0 and int(w) in (v - b - 1, v - b, v - b + 1)
+            steps += 1
+            slips += int(w) != v - b
+            prev = int(w)
+        assert prev < b  # stops at the first value below b
+    assert 0.25 < slips / steps < 0.32  # 0.3, less the slips that would go below 0
+    assert demonstrate(50, 3, 0.0, rng) == solve(50, 3)
+
+
+def test_sft_split_carries_the_demonstration_the_warm_start_imitates():
+    from data.sft import target
+
+    rows = RemainderTask().build("sft", 100).to_list()
+    assert all(r["demo"].endswith(".") for r in rows)
+    assert sum(r["demo"] != r["answer"] for r in rows) > 30  # sloppy, not a copy
+    assert all(target(r) == r["demo"] for r in rows)
+    assert target({"answer": "x"}) == "x"  # tasks without a demonstrator: the reference
+    clean = RemainderTask(demo_slip=0.0).build("sft", 50).to_list()
+    assert all(r["demo"] == r["answer"] for r in clean)
 
 
 def test_lengths_are_long_tailed_and_track_difficulty():
