@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
 
 CKPT_STEP = re.compile(r"step=(\d+)")
 
@@ -97,17 +98,29 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
         # The starting policy is model.path for every run of a config: with ``initial`` its
         # evaluation is read from there when a run before this one wrote it (same weights,
         # same prompts and per-request seeds), else made and written there.
-        key = json.dumps({"model": str(cfg.module.model_path), "eval": eval_signature(dm)}, sort_keys=True)
+        key = json.dumps(
+            {
+                "model": str(cfg.module.model_path),
+                "weights": weights_fingerprint(Path(cfg.module.model_path)),
+                "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+                "eval": eval_signature(dm),
+            },
+            sort_keys=True,
+            default=str,
+        )
         cache = None
         if initial is not None:
             initial.mkdir(parents=True, exist_ok=True)
             cache = initial / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-        if cache is not None and cache.exists() and json.loads(cache.read_text())["key"] == key:
-            start = json.loads(cache.read_text())["metrics"]
+        cached = read_json(cache) if cache is not None else None
+        if cached is not None and cached.get("key") == key:
+            start = cached["metrics"]
         else:
             start = dm.evaluate()
-            if cache is not None:
-                cache.write_text(json.dumps({"key": key, "metrics": start}))
+            if cache is not None:  # written whole, then renamed: a reader never sees half a file
+                tmp = cache.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"key": key, "metrics": start}))
+                tmp.replace(cache)
         points.append({"step": 0, "policy_version": 0, "train_wall_s": 0.0, "samples": 0.0, **start})
         policy, _ = load_policy(cfg.module.model_path)
         policy.eval()
@@ -171,6 +184,23 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
     }
     (run_dir / "heldout_curve.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """sha256 over the model directory's weight files (a rebuilt warm start at the same path
+    gets a new key)."""
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def eval_signature(dm: Any) -> dict[str, Any]:

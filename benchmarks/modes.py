@@ -1,6 +1,6 @@
 """Rollout modes on the real engine: sync vs partial vs streaming, several seeds each.
 
-    python -m benchmarks.modes                                   # 4 recipes x 3 seeds
+    python -m benchmarks.modes                                   # 6 recipes x 5 seeds
     python -m benchmarks.modes --recipes sync_grpo --seeds 0 1 2 -- trainer.max_steps=100
     python -m benchmarks.modes --eval-every 0 --no-bound         # throughput only (faster)
     python -m benchmarks.modes --recipes trl sync_grpo async_grpo --reference trl   # vs TRL
@@ -23,7 +23,7 @@ idle fractions, weight-sync seconds, staleness, dropped groups, wall time, and:
   saves every ``--eval-every`` policy versions after the run ends, so evaluation takes no time
   on the training clock (``perf/wall_s``: seconds since the first training step; engine start-up
   and model loading are excluded) and does not overlap background generation. Mid-run
-  in-training evaluation is switched off (``callbacks.eval.every_n_versions=0``), which also
+  in-training evaluation is switched off (the eval callback is removed), which also
   keeps ``perf/samples_per_s`` free of evaluation pauses.
 * ``ratio_to_bound``: samples/s over the measured bound of ``benchmarks.bound`` (generation
   alone and training alone on this machine, min of the two) for the recipe's config; recipes
@@ -51,10 +51,12 @@ from benchmarks.bench_metrics import (
     bootstrap_ci,
     mean_ci,
     mean_curve_held,
+    ratio_ci,
     reward_at,
     summarize_times,
     target_from_finals,
     time_to_reward,
+    welch_diff_ci,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,9 +288,10 @@ def run_recipe(
 ) -> list[dict]:
     recipe, extra = split_spec(spec)
     overrides = [*overrides, *extra]
-    # Mid-run evaluation off (it would pause the training clock, unequally across modes); the
-    # reward curve comes from checkpoints evaluated after the run. Later overrides win, so a
-    # user's own callbacks.* overrides (after --) still apply.
+    # No evaluation inside the run (it would pause the training clock, unequally across modes):
+    # the reward curve, its first and last points included, comes from checkpoints evaluated
+    # after the run, so the eval callback is removed (a callbacks.eval.* override after -- then
+    # fails to compose; --eval-every 0 keeps the in-run first and last evaluations instead).
     injected = ["callbacks.eval.every_n_versions=0"]
     if eval_every:
         k = eval_every * (1 if recipe == TRL else steps_per_version([f"recipe={recipe}", *overrides]))
@@ -533,6 +536,7 @@ def add_comparisons(
 
 
 FINAL_KEYS = ("eval/sampled_reward_mean", "eval/reward_mean", "eval/sampled_exact_mean", "eval/exact_mean")
+FINAL_PREFIXES = ("eval/sampled_", "eval/exact_", "eval/reward_level")
 EQUAL_WALL_FRACTIONS = (0.25, 0.4, 0.5, 1.0)
 
 
@@ -541,12 +545,16 @@ def add_power(result: dict, all_runs: dict[str, list[dict]], reference: str, tar
     recipe):
 
     * ``final``: final held-out figures (overall, per level, exact match): mean, t interval;
-    * ``final_minus_reference``: the sampled-reward difference to the reference, bootstrap CI;
+    * ``final_minus_reference``: the sampled-reward difference to the reference, Welch t
+      interval (independent seeds);
     * ``time_to_90pct_gain_s``: training wall time until the sampled reward reaches the start
       plus 90 % of the reference's mean gain (interpolated), mean and t interval over the seeds
       that reached it (``n`` of ``n_total``);
     * ``time_ratio_to_reference``: that time over the reference's, ratio of means with a
-      bootstrap CI (seeds that never reached it are left out and counted in ``n``);
+      delta-method t interval on its log (``lo``/``hi``) and a percentile bootstrap
+      (``bootstrap``, narrower with few seeds: it has no t correction). Intervals only when
+      every seed of both reached the target (``all_reached``): leaving out the seeds that never
+      got there would judge a recipe by its fastest seeds;
     * ``reward_at_equal_wall``: the sampled reward each run's policy has at fractions of the
       reference's mean training wall time (a run that has ended keeps its final policy).
     """
@@ -562,7 +570,8 @@ def add_power(result: dict, all_runs: dict[str, list[dict]], reference: str, tar
             for s in runs
         ]
 
-    ref_times = [t for t in times(ref_runs) if t is not None] if target is not None else []
+    ref_all = times(ref_runs) if target is not None else []
+    ref_times = [t for t in ref_all if t is not None]
     ref_final = [s["curve"][-1]["sampled"] for s in ref_runs]
     for spec, runs in all_runs.items():
         if not all(s.get("curve") for s in runs):
@@ -572,15 +581,13 @@ def add_power(result: dict, all_runs: dict[str, list[dict]], reference: str, tar
                 k
                 for s in runs
                 for k in s.get("curve_last", {})
-                if k.startswith(FINAL_KEYS + ("eval/sampled_", "eval/exact_"))
+                if k in FINAL_KEYS or k.startswith(FINAL_PREFIXES)
             }
         )
         power: dict = {
             "final": {k: mean_ci([s.get("curve_last", {}).get(k) for s in runs]) for k in last_keys},
             "start": {k: mean_ci([s.get("curve_first", {}).get(k) for s in runs]) for k in last_keys},
-            "final_minus_reference": bootstrap_ci(
-                [s["curve"][-1]["sampled"] for s in runs], ref_final, "diff"
-            ),
+            "final_minus_reference": welch_diff_ci([s["curve"][-1]["sampled"] for s in runs], ref_final),
             "train_wall_s": mean_ci([s["train_wall_s"] for s in runs]),
             "reward_at_equal_wall": {
                 f"{frac:g}x_reference_wall": {
@@ -603,10 +610,16 @@ def add_power(result: dict, all_runs: dict[str, list[dict]], reference: str, tar
             mine = times(runs)
             reached = [t for t in mine if t is not None]
             power["time_to_90pct_gain_s"] = {"target": target, **mean_ci(mine)}
+            all_reached = len(reached) == len(mine) and len(ref_times) == len(ref_all)
+            ratio = ratio_ci(reached, ref_times)
             power["time_ratio_to_reference"] = {
                 "n": len(reached),
                 "n_total": len(mine),
-                **bootstrap_ci(reached, ref_times, "ratio"),
+                "all_reached": all_reached,
+                "value": ratio["value"],
+                "lo": ratio["lo"] if all_reached else None,
+                "hi": ratio["hi"] if all_reached else None,
+                "bootstrap": bootstrap_ci(reached, ref_times, "ratio") if all_reached else None,
             }
         result["recipes"][spec]["power"] = power
 

@@ -14,9 +14,13 @@ never in the project's. The settings come from the project's own composed config
     rollout.group_size G, P x G completions per step   -> num_generations, per_device_train_batch_size
     rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
     the task's reward (``task.reward(row, text)``)     -> the one reward function
-    algo: group advantages scaled by std, PPO clip eps, token-mean loss, no KL, 1 minibatch x
+    algo: group advantages scaled by std, PPO clip eps, token-mean loss, 1 minibatch x
           1 epoch                                      -> scale_rewards="group", epsilon,
-                                                          loss_type="dapo", beta=0, num_iterations=1
+                                                          loss_type="dapo", num_iterations=1
+    algo.loss.kl_coef (k3 to module.ref_model_path = the warm start, in the loss)
+                                                       -> beta, use_bias_correction_kl=True:
+          TRL's per-token beta * k3 * ratio has value k3 and gradient -log(rho) grad log pi, the
+          project's k3 term's gradient; both are token means, so they match term for term
     module.optimizer (AdamW lr, betas, weight decay), constant lr, trainer.gradient_clip_val
     trainer.max_steps                                  -> max_steps
 
@@ -24,7 +28,8 @@ Differences that remain: TRL generates with plain ``transformers`` ``generate`` 
 process (both cores, ``--threads``), where the project uses its vLLM engine on its own core;
 TRL's group std is the sample std (the project's: population std); TRL's sampling seeds
 differ from the engine's. Settings TRL cannot mirror (other corrections, decoupled anchor,
-several minibatches, KL) are refused with the field named.
+several minibatches, a KL other than k3 to the starting model) are refused with the field
+named.
 
 Writes a run directory that ``benchmarks.heldout_curve`` and ``benchmarks.modes`` read like a
 ``train.py`` run: ``.hydra/overrides.yaml`` (the project overrides the settings came from, so
@@ -143,6 +148,7 @@ def main() -> None:
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k) if int(sampling.top_k) > 0 else 0,
         beta=float(cfg.algo.loss.kl_coef),
+        use_bias_correction_kl=True,  # explicit: the gradient match above depends on it
         epsilon=float(eps.eps_low),
         epsilon_high=float(eps.eps_high),
         loss_type="dapo",  # token mean over the step's tokens = algo.loss.aggregation=token_mean

@@ -151,3 +151,28 @@ def test_reward_at_interpolates_and_holds_the_final_policy():
     assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 100.0) == 0.53  # the run ended at 30 s
     assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 0.0) == 0.40
     assert math.isnan(reward_at([], [], 1.0))
+
+
+def test_welch_difference_by_hand():
+    from benchmarks.bench_metrics import t95, welch_diff_ci
+
+    a, b = [1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0]
+    va, vb = 1.0 / 3, (20.0 / 3) / 4  # sample variances 1 and 20/3 over n
+    df = int((va + vb) ** 2 / (va**2 / 2 + vb**2 / 3))
+    ci = welch_diff_ci(a, b)
+    assert ci["df"] == df and ci["value"] == pytest.approx(-3.0)
+    assert ci["hi"] - ci["value"] == pytest.approx(t95(df) * math.sqrt(va + vb))
+    assert welch_diff_ci([1.0], b)["value"] is None
+
+
+def test_ratio_interval_is_wider_than_the_plug_in_bootstrap_with_few_seeds():
+    from benchmarks.bench_metrics import bootstrap_ci, ratio_ci
+
+    a, b = [10.0, 12.0, 11.0, 9.0, 13.0], [20.0, 22.0, 21.0, 19.0, 23.0]
+    r = ratio_ci(a, b)
+    assert r["value"] == pytest.approx(11.0 / 21.0) and r["lo"] < r["value"] < r["hi"]
+    boot = bootstrap_ci(a, b, "ratio", n_boot=4000)
+    assert r["hi"] - r["lo"] > boot["hi"] - boot["lo"]
+    # symmetric on the log scale
+    assert math.log(r["hi"] / r["value"]) == pytest.approx(math.log(r["value"] / r["lo"]))
+    assert ratio_ci([1.0, 2.0], [0.0, 0.0])["value"] is None

@@ -93,8 +93,8 @@ def test_standard_errors_by_hand():
 
 def test_error_helpers_edge_cases():
     assert standard_error([0.3]) == 0.0
-    assert sampling_error([[1.0], [0.0]]) == 0.0  # one sample per prompt: no within-prompt estimate
-    assert sampling_error([]) == 0.0
+    assert math.isnan(sampling_error([[1.0], [0.0]]))  # one sample per prompt: no estimate
+    assert math.isnan(sampling_error([]))
     # more samples per prompt -> smaller sampling error, same spread
     assert sampling_error([[0.0, 1.0] * 8]) < sampling_error([[0.0, 1.0]])
 

@@ -43,6 +43,9 @@ def test_prefix_credit_counts_steps_before_the_first_mistake():
     assert task.reward(row, "9-2=7;7-2=6;6-2=3;3-2=1.") == 0.25  # later steps do not count
     assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1") == 0.75  # no final "."
     assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1;1-2=0.") == 0.75  # kept going
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1.;1-2=0.") == 0.75  # did not stop after "."
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1.;") == 0.75
+    assert task.reward(row, "9-2=7;7-2=5;5-2=3;3-2=1.x") == 0.75
     assert task.reward(row, "1.") == 0.0  # the right answer, no work shown
     assert task.reward(row, "") == 0.0
 
@@ -60,7 +63,14 @@ def test_prefix_credit_is_one_exactly_when_exact_credit_is():
     prefix, exact = RemainderTask(), RemainderTask(credit="exact")
     for row in prefix.build("eval", 200).to_list():
         a, b = map(int, row["prompt"][:-1].split("%"))
-        for response in (row["answer"], demonstrate(a, b, 0.3, rng), row["answer"][:-1], row["answer"] + "x"):
+        for response in (
+            row["answer"],
+            demonstrate(a, b, 0.3, rng),
+            row["answer"][:-1],
+            row["answer"] + "x",
+            row["answer"] + ";",
+            row["answer"] + ";" + row["answer"],
+        ):
             assert (prefix.reward(row, response) == 1.0) == (exact.reward(row, response) == 1.0)
             assert 0.0 <= prefix.reward(row, response) <= 1.0
 

@@ -105,10 +105,12 @@ def standard_error(values: list[float]) -> float:
 
 def sampling_error(groups: list[list[float]]) -> float:
     """Standard error of the mean of per-prompt means from the samples alone (prompts fixed):
-    sqrt(sum_i s_i^2 / k_i) / n with s_i^2 the sample variance of prompt i's k_i rewards."""
+    sqrt(sum_i s_i^2 / k_i) / n with s_i^2 the sample variance of prompt i's k_i rewards.
+    NaN when a prompt has a single sample (no within-prompt variance to estimate)."""
+    if not groups or any(len(g) < 2 for g in groups):
+        return float("nan")
     var = 0.0
     for g in groups:
-        if len(g) > 1:
-            m = sum(g) / len(g)
-            var += sum((r - m) ** 2 for r in g) / (len(g) - 1) / len(g)
-    return var**0.5 / len(groups) if groups else 0.0
+        m = sum(g) / len(g)
+        var += sum((r - m) ** 2 for r in g) / (len(g) - 1) / len(g)
+    return var**0.5 / len(groups)

@@ -3,7 +3,7 @@
 Prompt ``"9%2="``; correct response ``"9-2=7;7-2=5;5-2=3;3-2=1."`` then end-of-sequence: one
 step per subtraction down to ``a mod b``. The number of steps is ``a // b``, so the difficulty
 level sets the response length: level 0 takes 2-4 steps (about 18 characters), level 1 6-12
-steps (about 60), level 2 20-32 steps (about 200), an 11x spread; the default mix (60/30/10 %)
+steps (about 64), level 2 22-36 steps (about 220), a 12x spread; the default mix (60/30/10 %)
 is long-tailed, which is what makes a synchronous barrier costly (a batch's slowest response
 is 10-15x its median).
 
@@ -75,8 +75,11 @@ def demonstrate(a: int, b: int, slip: float, rng: random.Random) -> str:
 
 
 def prefix_credit(answer: str, response: str) -> float:
-    """Share of the reference's steps (``;``-separated) reproduced before the first mismatch;
-    the last step carries the final ``.``, so 1.0 means exactly the reference."""
+    """Share of the reference's steps (``;``-separated) reproduced before the first mismatch.
+    1.0 exactly when the response is the reference: anything written after its final ``.``
+    costs the last step (the run did not stop where the work ends)."""
+    if response.strip() == answer:
+        return 1.0
     ref = answer.split(";")
     got = response.strip().split(";")
     k = 0
@@ -84,7 +87,7 @@ def prefix_credit(answer: str, response: str) -> float:
         if r != g:
             break
         k += 1
-    return k / len(ref)
+    return min(k, len(ref) - 1) / len(ref)
 
 
 def make_problem(
@@ -127,19 +130,18 @@ class RemainderTask:
             and sum(self.level_weights) > 0,
             f"{len(LEVELS)} non-negative weights, not all zero",
         )
-        check("task.min_divisor", self.min_divisor, 1 <= self.min_divisor <= 9, "an int in [1, 9]")
+        longest = LEVELS[-1][1]
+        check(
+            "task.min_divisor",
+            self.min_divisor,
+            1 <= self.min_divisor and self.min_divisor * (longest + 1) <= 99,
+            f"an int in [1, {99 // (longest + 1)}]: the longest level takes {longest} steps with numbers below 100",
+        )
         check(
             "task.max_divisor",
             self.max_divisor,
             self.min_divisor <= self.max_divisor <= 9,
             f"an int in [task.min_divisor={self.min_divisor}, 9]",
-        )
-        longest = LEVELS[-1][1]
-        check(
-            "task.min_divisor",
-            self.min_divisor,
-            self.min_divisor * (longest + 1) <= 99,
-            f"at most {99 // (longest + 1)}: the longest level takes {longest} steps with numbers below 100",
         )
         check("task.credit", self.credit, self.credit in CREDITS, " | ".join(CREDITS))
         check("task.demo_slip", self.demo_slip, 0.0 <= self.demo_slip < 1.0, "a float in [0, 1)")
