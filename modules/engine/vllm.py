@@ -9,9 +9,7 @@ Failure contract: if the engine dies or its loop raises, every pending future fa
 ``check_health`` raises ``EngineError`` naming the cause; callers that wait use
 ``wait_result`` / ``wait_any`` / ``wait_on``, which poll health, so nothing hangs.
 
-Smoke-test an engine on a model directory:
-
-    python -m modules.engine artifacts/tiny-qwen-sft
+Smoke-test an engine on a model directory: ``python -m modules.engine artifacts/tiny-qwen-sft``.
 """
 
 from __future__ import annotations
@@ -344,9 +342,8 @@ class VLLMEngine:
         return comp
 
     def score(self, sequence: list[int]) -> list[float]:
-        """Engine logprob (temperature 1, vLLM prompt logprobs) of each token of ``sequence``
-        after the first; to verify a weight sync against the trainer's logprobs. vLLM needs room
-        for one generated token, so at most ``max_model_len - 1`` tokens are scored."""
+        """Engine logprob (T = 1, prompt logprobs) of each token of ``sequence`` after the first, to
+        verify a weight sync; at most ``max_model_len - 1`` tokens (vLLM generates one)."""
         sequence = list(sequence)[: self.max_model_len - 1]
         sampling = SamplingConfig(temperature=1.0, max_tokens=1)
         comp = self.wait_result(self.submit(sequence, sampling, seed=None, prompt_logprobs=True), 120)
