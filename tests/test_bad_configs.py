@@ -87,7 +87,7 @@ BAD = [
     (["task.level_weights=[1,0]"], "task.level_weights"),
     (["task.max_divisor=12"], "task.max_divisor"),
     (["task.credit=partial"], "task.credit"),
-    (["task.min_divisor=3", "task.max_divisor=2"], "task.max_divisor"),
+    (["task.min_divisor=2", "task.max_divisor=1"], "task.max_divisor"),
     (["task.min_divisor=4", "task.max_divisor=5"], "task.min_divisor"),  # 37 steps would pass 99
     (["task.demo_slip=1.5"], "task.demo_slip"),
     (["module.max_consecutive_skips=0"], "module.max_consecutive_skips"),
