@@ -6,7 +6,8 @@
 Panels: reward (train and held-out) vs wall-clock and vs trained samples; staleness histogram
 over time; IS weights and ESS; response lengths and the length bias; trainer and engine idle
 fractions; weight-sync time; where each optimizer step's time goes (``perf/step_*_s``,
-``modules/step_timer.py``). Panels whose metrics the run did not log say so.
+``modules/step_timer.py``); the drift score, its alarms and the controller's actions
+(``callbacks/drift=monitor|controller``). Panels whose metrics the run did not log say so.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def render(run: Path, out: Path) -> Path:
             r.setdefault("perf/wall_s", nearest(wall, r["step"]))
             r.setdefault("perf/samples_total", nearest(samples, r["step"]))
 
-    fig, ax = plt.subplots(2, 4, figsize=(21, 8))
+    fig, ax = plt.subplots(2, 5, figsize=(26, 8))
     a = ax[0][0]
     for key, style in [
         ("train/reward_mean", "-"),
@@ -113,6 +114,7 @@ def render(run: Path, out: Path) -> Path:
     a.legend(fontsize=8)
 
     step_breakdown(ax[0][3], rows)
+    drift_panel(ax[0][4], ax[1][4], rows)
     a = ax[1][3]
     a.plot(*series(rows, "perf/wall_s", "perf/samples_per_s"), label="trained samples/s")
     a.set_title("throughput (cumulative)")
@@ -140,6 +142,46 @@ def step_breakdown(a: object, rows: list[dict[str, float]]) -> None:
         a.legend(loc="upper left", fontsize=7)
     a.set_title("seconds per optimizer step, by phase")
     a.set_xlabel("step")
+
+
+def drift_panel(a: object, b: object, rows: list[dict[str, float]]) -> None:
+    """Top: the drift score with its alarms; bottom: the controller's knobs (lr scale, bound)."""
+    xs, ys = series(rows, "step", "drift/score")
+    if not xs:
+        for axis in (a, b):
+            axis.text(
+                0.5,
+                0.5,
+                "no drift monitor in this run\n(callbacks/drift=monitor)",
+                ha="center",
+                transform=axis.transAxes,
+            )
+    else:
+        a.plot(xs, ys, label="drift/score")
+        alarms = [r["step"] for r in rows if r.get("drift/alarm", 0) > 0 and "step" in r]
+        a.plot(alarms, [max(ys)] * len(alarms), "rv", label="alarm")
+        for key in sorted({k for r in rows for k in r if k.startswith("drift/z/")}):
+            a.plot(*series(rows, "step", key), ":", alpha=0.6, label=key[len("drift/z/") :])
+        a.legend(fontsize=7)
+        xs, ys = series(rows, "step", "controller/lr_scale")
+        if xs:
+            b.step(xs, ys, where="post", label="lr scale")
+            c = b.twinx()
+            c.step(
+                *series(rows, "step", "controller/staleness_bound"),
+                "k--",
+                where="post",
+                label="staleness bound",
+            )
+            c.set_ylabel("staleness bound (versions)")
+            c.legend(loc="upper right", fontsize=8)
+            b.legend(loc="upper left", fontsize=8)
+        else:
+            b.text(0.5, 0.5, "monitor only: no controller actions", ha="center", transform=b.transAxes)
+    a.set_title("drift score (robust z) and alarms")
+    a.set_xlabel("step")
+    b.set_title("controller: lr scale and staleness bound")
+    b.set_xlabel("step")
 
 
 def main() -> None:

@@ -36,6 +36,13 @@ class WeightSyncError(RuntimeError):
     """After a sync the engine's logprobs differ from the trainer's."""
 
 
+# Default verify tolerance (max |engine - trainer| logprob over the probe) by the engine's dtype;
+# the trainer computes in float32. float32 engines agree to ~1e-5 here. A bfloat16 engine differs
+# by rounding (measured in README, "Train-inference mismatch"), so its bound only catches gross
+# sync bugs (a stale tensor moves logprobs by whole nats).
+VERIFY_TOLERANCE = {"float32": 1e-4, "auto": 1e-4, "bfloat16": 0.5, "float16": 0.1}
+
+
 class WeightSync(L.Callback):
     """Push the policy to the engine after the last minibatch of each rollout batch.
 
@@ -43,32 +50,67 @@ class WeightSync(L.Callback):
     With ``verify`` the engine then scores one trained sequence and its logprobs must match
     the trainer's within ``tolerance`` (one prefill per sync; a silent sync bug, e.g. a stale
     tied ``lm_head``, otherwise shows up only as a slowly drifting ``train/kl_behavior``).
+
+    ``lag`` K > 0 is a delayed sync, for off-policy experiments: when the trainer reaches
+    version v the engine gets the weights of version v - K (kept on the CPU, K + 1 copies), so
+    with ``rollout=sync`` every trained token is exactly K versions old once v >= K (the first
+    K batches come from the starting weights). Lag is then an experimental variable rather than
+    an emergent one. The delay line is checkpointed; at train end the engine gets the current
+    weights, so the final evaluation and saved model describe the trained policy.
     """
 
-    def __init__(self, verify: bool = True, tolerance: float = 1e-4) -> None:
-        self.verify = verify
-        self.tolerance = tolerance
-        self.last_probe: list[int] | None = None
+    def __init__(
+        self, verify: bool = True, tolerance: float | None = None, lag: int = 0, engine_dtype: str = "float32"
+    ) -> None:
+        from modules.config_errors import check, check_choice
 
-    def _sync(self, trainer: L.Trainer, pl_module: L.LightningModule, version: int) -> None:
+        check("callbacks.weight_sync.lag", lag, isinstance(lag, int) and lag >= 0, "an int >= 0")
+        check_choice("callbacks.weight_sync.engine_dtype", engine_dtype, list(VERIFY_TOLERANCE))
+        self.verify = verify
+        self.tolerance = VERIFY_TOLERANCE[engine_dtype] if tolerance is None else tolerance
+        self.lag = lag
+        self.last_probe: list[int] | None = None
+        # (version, CPU weights) of the last lag + 1 versions; the oldest is what the engine serves
+        self.delay_line: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.served_version: int | None = None
+
+    def _delayed(self, weights: dict[str, torch.Tensor], version: int) -> tuple[dict[str, torch.Tensor], int]:
+        """The weights and version the engine should serve when the trainer is at ``version``."""
+        if self.lag == 0:
+            return weights, version
+        self.delay_line = [(v, w) for v, w in self.delay_line if v < version]
+        self.delay_line.append((version, {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}))
+        self.delay_line = [(v, w) for v, w in self.delay_line if v >= version - self.lag]
+        return self.delay_line[0][1], self.delay_line[0][0]
+
+    def _sync(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, version: int, flush: bool = False
+    ) -> None:
         pl_module.policy_version = version
         if self.verify and trainer.world_size > 1:
             self._check_ranks_agree(pl_module, version)
         if trainer.global_rank != 0:
             return  # DDP: rank 0 owns the engine; the weights are the same on every rank
-        pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(
-            pl_module.weights_for_engine(), version
-        )
+        weights = pl_module.weights_for_engine()
+        served, served_version = (weights, version) if flush else self._delayed(weights, version)
+        self.served_version = served_version
+        pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(served, served_version)
         if self.verify and self.last_probe:
             t0 = time.perf_counter()
-            diff = self._max_diff(trainer, pl_module, self.last_probe)
+            diff = self._max_diff(trainer, pl_module, self.last_probe, None if served is weights else served)
             pl_module.last_weight_verify_s = time.perf_counter() - t0
             pl_module.last_weight_sync_diff = diff
             if not diff <= self.tolerance:
                 raise WeightSyncError(
-                    f"after syncing version {version} the engine's logprobs differ from the "
+                    f"after syncing version {served_version} the engine's logprobs differ from the "
                     f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})"
                 )
+
+    def state_dict(self) -> dict[str, object]:
+        return {"delay_line": self.delay_line} if self.lag else {}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self.delay_line = list(state_dict.get("delay_line", []))  # type: ignore[arg-type]
 
     @staticmethod
     def _check_ranks_agree(pl_module: L.LightningModule, version: int) -> None:
@@ -86,17 +128,34 @@ class WeightSync(L.Callback):
             )
 
     @staticmethod
-    def _max_diff(trainer: L.Trainer, pl_module: L.LightningModule, seq: list[int]) -> float:
+    def _max_diff(
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        seq: list[int],
+        served: dict[str, torch.Tensor] | None = None,
+    ) -> float:
+        """Max |engine - trainer| logprob over ``seq``; the trainer side computed with ``served``
+        (the delayed weights the engine got) in place of the policy's own, when given."""
+        from torch.func import functional_call
+
         from modules.policy import token_logprobs
 
         engine_lp = torch.tensor(trainer.datamodule.engine_logprobs(seq))
         seq = seq[: len(engine_lp) + 1]  # the engine scores at most max_model_len - 1 tokens
-        was_training = pl_module.policy.training
-        pl_module.policy.eval()
+        policy = pl_module.policy
+        was_training = policy.training
+        policy.eval()
         with torch.no_grad():
             ids = torch.tensor([seq], device=pl_module.device)
-            lp, _ = token_logprobs(pl_module.policy, ids, torch.ones_like(ids), 1.0)
-        pl_module.policy.train(was_training)
+            model = policy
+            if served is not None:
+                params = {k: t.to(pl_module.device) for k, t in served.items()}
+
+                def model(*args: object, **kwargs: object) -> object:  # tied lm_head follows
+                    return functional_call(policy, params, args, kwargs, strict=False)
+
+            lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+        policy.train(was_training)
         return float((lp[0].cpu() - engine_lp).abs().max())
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -120,8 +179,10 @@ class WeightSync(L.Callback):
         # max_steps may stop mid rollout batch: sync the updates made since the last sync, so
         # the final evaluation and the saved model describe the same policy.
         if trainer.global_step != self.synced_step:
-            self._sync(trainer, pl_module, pl_module.policy_version + 1)
+            self._sync(trainer, pl_module, pl_module.policy_version + 1, flush=True)
             self.synced_step = trainer.global_step
+        elif self.lag and self.served_version != pl_module.policy_version:
+            self._sync(trainer, pl_module, pl_module.policy_version, flush=True)
 
 
 class EngineStats(L.Callback):

@@ -42,6 +42,7 @@ INTS = (
     "module.forward.token_budget",
     "callbacks.eval.every_n_versions",
     "callbacks.checkpoint.every_n_train_steps",
+    "callbacks.weight_sync.lag",
 )
 NUMBERS = (
     "rollout.sampling.temperature",
@@ -260,4 +261,13 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
             tolerance > 0,
             "a float > 0 (the engine's logprobs never match the trainer's to the last bit)",
         )
+    lag = (cfg.get("callbacks") or {}).get("weight_sync", {}).get("lag") or 0
+    rollout_target = str((cfg.get("rollout") or {}).get("_target_", ""))
+    check(
+        "callbacks.weight_sync.lag",
+        lag,
+        lag == 0 or rollout_target.endswith(".SyncRollout"),
+        "0 unless rollout=sync (a delayed sync makes the lag exact only behind the barrier; "
+        "partial and streaming rollouts have their own lag, bounded by rollout.max_staleness)",
+    )
     check("torch_threads", cfg.get("torch_threads", 1), cfg.get("torch_threads", 1) >= 1, "an int >= 1")

@@ -71,6 +71,8 @@ class RolloutController:
     inflight = "keep"
     # True when the controller counts rollout batches per policy version itself (Admit).
     admission_control = False
+    # Policy versions a trained group may lag (None: nothing is ever stale, the sync barrier).
+    max_staleness: int | None = None
 
     def __init__(self, prompts_per_step: int, group_size: int, sampling: SamplingConfig) -> None:
         check(

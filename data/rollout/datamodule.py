@@ -253,6 +253,14 @@ class RolloutDataModule(L.LightningDataModule):
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
         return self.engine.update_weights(named_tensors, version, inflight=self.rollout.inflight)
 
+    def staleness_bound(self) -> int | None:
+        """The rollout's ``max_staleness`` (None in sync mode); moved by ``modules.controller``."""
+        return self.rollout.max_staleness
+
+    def set_staleness_bound(self, value: int) -> None:
+        with self.rollout.lock:
+            self.rollout.max_staleness = value
+
     def engine_stats(self) -> dict[str, float]:
         """Engine-side metrics since it started ({} where this rank has no engine)."""
         return self.engine.stats()

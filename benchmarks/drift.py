@@ -1,0 +1,167 @@
+"""Estimator drift on the real engine: lag K x correction, the bf16 mismatch, detector lead time.
+
+    python -m benchmarks.drift                                     # K x correction grid, 3 seeds
+    python -m benchmarks.drift --lags 0 4 --corrections none tis --seeds 0 -- trainer.max_steps=30
+    python -m benchmarks.drift --mismatch                          # bf16 engine, float32 trainer
+    python -m benchmarks.drift --controller                        # + callbacks/drift=controller
+    python -m benchmarks.drift --analyze outputs/bench/drift       # re-read finished runs
+
+Each cell is ``sync_grpo`` with a delayed weight sync (``callbacks.weight_sync.lag=K``: every
+trained token exactly K versions old) and a correction: ``none`` keeps the bypass anchor (pi_old
+:= mu, the PPO ratio against the behaviour policy, as the shipped recipes do); every other
+correction runs with the decoupled anchor, so it sees pi_old / mu. Every run carries the drift
+monitor (``callbacks/drift=monitor``: no actions), so the detector's alarms and its inputs are
+in each run's metrics.csv; ``--analyze`` replays ``modules.drift.DriftDetector`` offline on
+them (other thresholds can be tried without training again).
+
+Definitions (per run):
+* collapse: the held-out sampled reward of the final policy is below the warm start's, or the
+  run stopped on non-finite losses; the collapse *step* is the first step at which the training
+  reward's EMA (``train/reward_ema``) falls ``--drop`` below its running maximum (the held-out
+  curve is too coarse to date it);
+* lead time: collapse step minus the first alarm step (positive: the alarm came first);
+* false alarm: an alarm in a run that did not collapse.
+
+Runs are ``benchmarks.modes`` runs (same post-hoc held-out curve); writes ``result.json`` with
+the K x correction table (final reward mean and spread over seeds, collapse yes/no and step)
+and the detector's lead times and false alarms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from benchmarks.modes import read_metrics, run_recipe
+from modules.drift import DriftDetector
+
+ROOT = Path(__file__).resolve().parents[1]
+CORRECTIONS = ["none", "token_is", "tis", "tseq_is", "geo_seq_is", "icepop", "ds_seq_mask"]
+MISMATCH = ["none", "tis", "mis", "icepop"]
+
+
+def cell_spec(lag: int, correction: str, extra: list[str] | None = None, controller: bool = False) -> str:
+    drift = "controller" if controller else "monitor"
+    parts = [f"callbacks.weight_sync.lag={lag}", f"algo/correction={correction}", f"callbacks/drift={drift}"]
+    if correction != "none":
+        parts.append("algo.loss.anchor=decoupled")
+    return "sync_grpo:" + ",".join([*parts, *(extra or [])])
+
+
+def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
+    """First step whose training-reward EMA is ``drop`` below its running maximum."""
+    best = -math.inf
+    for r in rows:
+        if not r.get("train/reward_ema"):
+            continue
+        x = float(r["train/reward_ema"])
+        best = max(best, x)
+        if x <= best - drop:
+            return int(r["step"])
+    return None
+
+
+def replay(rows: list[dict[str, str]], **detector: float) -> int | None:
+    """First alarm step of a fresh detector fed the run's logged metrics, step by step."""
+    det = DriftDetector(**detector)
+    by_step: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("step"):
+            by_step.setdefault(int(r["step"]), {}).update(
+                {k: float(v) for k, v in r.items() if v not in ("", None)}
+            )
+    for step in sorted(by_step):
+        if "train/loss" in by_step[step] and det.update(by_step[step]).alarm:
+            return step
+    return None
+
+
+def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict) -> dict:
+    rows = read_metrics(run_dir)
+    summary = json.loads((run_dir / "eval_summary.json").read_text())
+    final = summary["last"].get("eval/sampled_reward_mean", float("nan"))
+    collapsed = not final >= start_reward
+    c_step = collapse_step(rows, drop) if collapsed else None
+    alarm = replay(rows, **detector)
+    return {
+        "final_sampled": final,
+        "collapsed": collapsed,
+        "collapse_step": c_step,
+        "first_alarm": alarm,
+        "lead_steps": (c_step - alarm) if (c_step is not None and alarm is not None) else None,
+        "false_alarm": (not collapsed) and alarm is not None,
+    }
+
+
+def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict) -> dict:
+    cells = {}
+    for spec in specs:
+        runs = []
+        for seed in seeds:
+            run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
+            if not (run_dir / "eval_summary.json").exists():
+                continue
+            first = json.loads((run_dir / "eval_summary.json").read_text())["first"]
+            runs.append(
+                {"seed": seed, **analyze_run(run_dir, first["eval/sampled_reward_mean"], drop, detector)}
+            )
+        if not runs:
+            continue
+        finals = [r["final_sampled"] for r in runs]
+        leads = [r["lead_steps"] for r in runs if r["lead_steps"] is not None]
+        cells[spec] = {
+            "final_sampled_mean": statistics.fmean(finals),
+            "final_sampled_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "collapsed": sum(r["collapsed"] for r in runs),
+            "collapse_steps": [r["collapse_step"] for r in runs if r["collapsed"]],
+            "lead_steps": leads,
+            "missed_collapses": sum(r["collapsed"] and r["first_alarm"] is None for r in runs),
+            "false_alarms": sum(r["false_alarm"] for r in runs),
+            "n": len(runs),
+            "runs": runs,
+        }
+    healthy = sum(c["n"] - c["collapsed"] for c in cells.values())
+    return {
+        "cells": cells,
+        "detector": detector,
+        "false_alarm_rate": sum(c["false_alarms"] for c in cells.values()) / healthy if healthy else None,
+        "lead_steps_all": [x for c in cells.values() for x in c["lead_steps"]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    parser.add_argument("--corrections", nargs="+", default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--mismatch", action="store_true", help="bf16 engine at lag 0 instead of the grid")
+    parser.add_argument("--controller", action="store_true", help="add callbacks/drift=controller")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--drop", type=float, default=0.15, help="reward-EMA drop that dates a collapse")
+    parser.add_argument("--threshold", type=float, default=4.0)
+    parser.add_argument("--patience", type=int, default=2)
+    parser.add_argument("--analyze", type=Path, help="only re-read the runs under this directory")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
+    args = parser.parse_args()
+    ctl = args.controller
+    if args.mismatch:
+        specs = [cell_spec(0, c, ["engine.dtype=bfloat16"], ctl) for c in args.corrections or MISMATCH]
+    else:
+        specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.corrections or CORRECTIONS]
+    out = args.analyze or args.out
+    if not args.analyze:
+        for spec in specs:
+            run_recipe(spec, args.seeds, out, args.overrides, args.eval_every, prune_checkpoints=True)
+    detector = {"threshold": args.threshold, "patience": args.patience}
+    result = table(out, specs, args.seeds, args.drop, detector)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

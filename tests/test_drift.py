@@ -1,0 +1,309 @@
+"""Drift detector and adaptive controller on synthetic metric streams (no engine, no model)."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modules.callbacks import WeightSync
+from modules.config_errors import ConfigError
+from modules.controller import DriftCallback, scale_learning_rate
+from modules.drift import DriftDetector
+
+
+def healthy(step: int, rng: random.Random) -> dict[str, float]:
+    """Stationary diagnostics with realistic noise: behaviour KL ~1e-3 (log-normal), a clip
+    fraction around 5 %, a gradient norm around 0.5."""
+    return {
+        "train/kl_behavior": 1e-3 * math.exp(rng.gauss(0, 0.3)),
+        "train/clip_frac": max(0.0, rng.gauss(0.05, 0.01)),
+        "train/grad_norm": 0.5 * math.exp(rng.gauss(0, 0.2)),
+        "train/loss": rng.gauss(0, 1),  # not a signal: ignored
+    }
+
+
+def drifting(step: int, rng: random.Random, start: int = 40, rate: float = 0.15) -> dict[str, float]:
+    """Healthy until ``start``, then the behaviour KL and gradient norm grow geometrically."""
+    m = healthy(step, rng)
+    if step >= start:
+        m["train/kl_behavior"] *= math.exp(rate * (step - start))
+        m["train/grad_norm"] *= math.exp(0.5 * rate * (step - start))
+    return m
+
+
+def first_alarm(stream, steps: int = 200) -> int | None:
+    det = DriftDetector()
+    rng = random.Random(0)
+    for t in range(steps):
+        if det.update(stream(t, rng)).alarm:
+            return t
+    return None
+
+
+def test_quiet_on_healthy_streams():
+    # 30 seeds x 300 steps of stationary noise: no alarm at the default settings
+    for seed in range(30):
+        det = DriftDetector()
+        rng = random.Random(seed)
+        alarms = sum(det.update(healthy(t, rng)).alarm for t in range(300))
+        assert alarms == 0, seed
+
+
+def test_alarms_soon_after_drift_starts_and_names_the_driver():
+    for seed in range(10):
+        det = DriftDetector()
+        rng = random.Random(seed)
+        readings = [det.update(drifting(t, rng)) for t in range(120)]
+        first = next(r for r in readings if r.alarm)
+        # log KL rises 0.15 per step; baseline spread floor 0.25: z 4 after ~7 steps, then EWMA + patience
+        assert 40 < first.step <= 40 + 20, (seed, first.step)
+        assert first.driver in ("train/kl_behavior", "train/grad_norm")
+        assert all(not r.alarm for r in readings[:40])
+
+
+def test_falling_ess_is_drift_and_rising_ess_is_not():
+    def ess(direction: int):
+        def stream(t, rng):
+            x = 0.9 + rng.gauss(0, 0.01)
+            if t >= 30:
+                x += direction * 0.02 * (t - 30)
+            return {"is/ess_frac": min(max(x, 0.0), 1.0)}
+
+        return stream
+
+    assert first_alarm(ess(-1)) is not None
+    assert first_alarm(ess(+1)) is None
+
+
+def test_non_finite_diagnostic_alarms():
+    det = DriftDetector(patience=2)
+    rng = random.Random(0)
+    for t in range(20):
+        assert not det.update(healthy(t, rng)).alarm
+    m = healthy(20, rng)
+    m["train/grad_norm"] = float("nan")
+    readings = [det.update(m) for _ in range(6)]
+    assert any(r.alarm for r in readings)
+
+
+def test_missing_signals_are_skipped_and_warmup_scores_zero():
+    det = DriftDetector(warmup=5)
+    for _ in range(5):
+        r = det.update({"train/loss": 1.0})
+        assert r.score == 0.0 and not r.alarm and r.z == {}
+
+
+def test_detector_state_roundtrip():
+    rng = random.Random(3)
+    a = DriftDetector()
+    for t in range(30):
+        a.update(drifting(t, rng, start=20))
+    b = DriftDetector()
+    b.load_state_dict(a.state_dict())
+    m = drifting(30, rng, start=20)
+    assert a.update(m) == b.update(m)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"warmup": 2}, "callbacks.drift.warmup"),
+        ({"threshold": 0}, "callbacks.drift.threshold"),
+        ({"patience": 0}, "callbacks.drift.patience"),
+        ({"alpha": 1.5}, "callbacks.drift.alpha"),
+        ({"signals": []}, "callbacks.drift.signals"),
+    ],
+)
+def test_detector_bad_config(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        DriftDetector(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"actions": ["staleness", "pray"]}, "callbacks.drift.actions"),
+        ({"lr_factor": 1.0}, "callbacks.drift.lr_factor"),
+        ({"cooldown": 0}, "callbacks.drift.cooldown"),
+        ({"relax_after": 0}, "callbacks.drift.relax_after"),
+    ],
+)
+def test_controller_bad_config(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        DriftCallback(DriftDetector(), **kw)
+
+
+# ---------------------------------------------------------------------- the controller
+class FakeDataModule:
+    def __init__(self, bound: int | None) -> None:
+        self.bound = bound
+
+    def staleness_bound(self) -> int | None:
+        return self.bound
+
+    def set_staleness_bound(self, value: int) -> None:
+        self.bound = value
+
+
+def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, **kw):
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([param], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    ws = WeightSync(verify=False, lag=lag)
+    cb = DriftCallback(DriftDetector(), actions=kw.pop("actions", ["staleness", "lr"]), **kw)
+    trainer = SimpleNamespace(
+        callbacks=[cb, ws],
+        optimizers=[opt],
+        lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
+        datamodule=FakeDataModule(bound),
+        callback_metrics={},
+        global_step=0,
+    )
+    logged: list[dict[str, float]] = []
+    module = SimpleNamespace(
+        parameters=lambda: [param],
+        log=lambda k, v, **_: logged[-1].__setitem__(k, float(v)),
+    )
+    cb.on_fit_start(trainer, module)
+    return cb, trainer, module, ws, opt, sched, logged
+
+
+def feed(cb, trainer, module, logged, metrics: dict[str, float]) -> dict[str, float]:
+    trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
+    logged.append({})
+    cb.on_train_batch_end(trainer, module)
+    trainer.global_step += 1
+    return logged[-1]
+
+
+def test_controller_lowers_lag_and_lr_on_drift_then_relaxes_when_quiet():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, cooldown=5, relax_after=15)
+    rng = random.Random(0)
+    for t in range(40):
+        out = feed(cb, trainer, module, logged, healthy(t, rng))
+        assert out["controller/notches"] == 0 and out["controller/staleness_bound"] == 4
+    actions_at = []
+    for t in range(40, 75):  # drift: one action per cooldown while the alarm lasts
+        out = feed(cb, trainer, module, logged, drifting(t, rng))
+        if cb.since_action == 0:
+            actions_at.append(t)
+    assert actions_at and all(b - a >= 5 for a, b in zip(actions_at, actions_at[1:]))
+    assert ws.lag == 4 - len(actions_at) or ws.lag == 0
+    assert cb.lr_scale < 1 and opt.param_groups[0]["lr"] == pytest.approx(1e-3 * cb.lr_scale)
+    assert sched.base_lrs[0] == pytest.approx(1e-3 * cb.lr_scale)
+    assert out["controller/lr_scale"] == cb.lr_scale and out["drift/alarm"] == 1.0
+    opt.step()
+    sched.step()  # a per-step schedule keeps the controller's scale
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * cb.lr_scale)
+    # the cause goes away: everything is undone, one notch per relax_after quiet steps
+    taken = len(cb.notches)
+    quiet_steps = 0
+    while cb.notches and quiet_steps < 2000:
+        feed(cb, trainer, module, logged, healthy(0, rng))
+        quiet_steps += 1
+    assert not cb.notches and ws.lag == 4 and cb.lr_scale == pytest.approx(1.0)
+    assert quiet_steps >= taken * 15
+
+
+def test_streaming_bound_comes_down_from_what_the_run_sees():
+    cb, trainer, module, ws, opt, sched, logged = make_run(bound=1_000_000, actions=["staleness"])
+    rng = random.Random(1)
+    for t in range(60):
+        m = drifting(t, rng, start=30)
+        m["rollout/staleness_max"] = 3.0
+        feed(cb, trainer, module, logged, m)
+    assert trainer.datamodule.bound < 3  # not 999_999
+    assert cb.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)  # lr not an action here
+
+
+def test_sync_rollout_has_no_bound_to_lower_but_lr_still_acts():
+    cb, trainer, module, ws, opt, sched, logged = make_run(bound=None)
+    rng = random.Random(2)
+    for t in range(60):
+        out = feed(cb, trainer, module, logged, drifting(t, rng, start=30))
+    assert "controller/staleness_bound" not in out
+    assert cb.notches and set(cb.notches) == {"lr"}
+
+
+def test_lr_never_below_its_floor():
+    cb, trainer, module, ws, opt, sched, logged = make_run(actions=["lr"], cooldown=1, min_lr_scale=0.25)
+    rng = random.Random(4)
+    for t in range(100):
+        feed(cb, trainer, module, logged, drifting(t, rng, start=20))
+    assert cb.lr_scale == pytest.approx(0.25)
+
+
+def test_monitor_only_acts_on_nothing():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=2, actions=[])
+    rng = random.Random(5)
+    for t in range(80):
+        out = feed(cb, trainer, module, logged, drifting(t, rng, start=30))
+    assert out["drift/alarm"] == 1.0 and ws.lag == 2 and opt.param_groups[0]["lr"] == 1e-3
+    assert not any(k.startswith("controller/") for k in out)
+
+
+def test_resume_reapplies_the_cut():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, cooldown=1, actions=["staleness"])
+    rng = random.Random(6)
+    for t in range(70):
+        feed(cb, trainer, module, logged, drifting(t, rng, start=30))
+    assert ws.lag < 4
+    state = cb.state_dict()
+    cb2, trainer2, module2, ws2, *_ = make_run(lag=4, cooldown=1, actions=["staleness"])
+    cb2.load_state_dict(state)
+    cb2.on_fit_start(trainer2, module2)
+    assert ws2.lag == ws.lag
+
+
+def test_grad_norm_is_measured_before_the_step():
+    cb, trainer, module, ws, opt, sched, logged = make_run()
+    p = module.parameters()[0]
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    cb.on_before_optimizer_step(trainer, module, opt)
+    out = feed(cb, trainer, module, logged, {})
+    assert out["train/grad_norm"] == pytest.approx(5.0)
+
+
+def test_scale_learning_rate_without_scheduler():
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.1)
+    trainer = SimpleNamespace(optimizers=[opt], lr_scheduler_configs=[])
+    scale_learning_rate(trainer, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_config_group_composes(tmp_path):
+    from modules.config import build
+    from tests.conftest import compose
+
+    cfg = compose(["callbacks/drift=controller", "recipe=async_grpo"])
+    cb = build(cfg.callbacks.drift)
+    assert isinstance(cb, DriftCallback) and cb.actions == ["staleness", "lr"]
+    assert "drift" not in compose([]).callbacks  # opt-in
+
+
+def test_on_policy_float_noise_in_the_kl_is_quiet():
+    # lag 0, one minibatch: KL(mu || pi) is float noise of either sign around 0
+    det = DriftDetector()
+    rng = random.Random(7)
+    for t in range(300):
+        r = det.update({"train/kl_behavior": rng.uniform(-3e-8, 1e-7), "train/clip_frac": 0.0})
+        assert not r.alarm, t
+
+
+def test_skip_keeps_a_lag_ramp_out_of_the_baseline():
+    # a delayed sync of K = 4: the KL grows over the first 4 steps, then holds at its level
+    def ramp(t, rng):
+        return {"train/kl_behavior": 1e-3 * min(t + 1, 5) * math.exp(rng.gauss(0, 0.3))}
+
+    det = DriftDetector(skip=4)
+    rng = random.Random(8)
+    readings = [det.update(ramp(t, rng)) for t in range(200)]
+    assert all(r.score == 0.0 for r in readings[:14])  # 4 skipped + 10 of warm-up
+    assert not any(r.alarm for r in readings)
+    with pytest.raises(ConfigError, match="callbacks.drift.skip"):
+        DriftDetector(skip=-1)

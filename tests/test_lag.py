@@ -1,0 +1,142 @@
+"""Delayed weight sync (``callbacks.weight_sync.lag``): the engine serves exactly version v - K.
+
+No engine here: a recording datamodule stands in for it and scores sequences with the weights
+it last received, so the verify pass (trainer logprobs with the delayed weights) is exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modules.callbacks import WeightSync, WeightSyncError
+from modules.policy import load_policy, named_weights, token_logprobs
+
+
+class RecordingEngine:
+    """What ``WeightSync`` needs of the datamodule: it loads what it is sent into its own copy
+    of the model, and scores with that copy."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.model = copy.deepcopy(policy).eval()
+        self.received: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def sync_weights(self, named: dict[str, torch.Tensor], version: int) -> float:
+        self.received.append((version, {k: v.clone() for k, v in named.items()}))
+        self.model.load_state_dict(named, strict=False)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+        return 0.0
+
+    def engine_logprobs(self, seq: list[int]) -> list[float]:
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            lp, _ = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)
+        return lp[0].tolist()
+
+
+@pytest.fixture(params=["tied", "untied"])
+def setup(request, models):
+    policy, _ = load_policy(str(models[request.param]))
+    engine = RecordingEngine(policy)
+    trainer = SimpleNamespace(world_size=1, global_rank=0, datamodule=engine, global_step=0)
+    module = SimpleNamespace(
+        policy=policy,
+        tokenizer=None,
+        policy_version=0,
+        device=torch.device("cpu"),
+        weights_for_engine=lambda: named_weights(policy),
+        last_weight_sync_s=0.0,
+        last_weight_verify_s=0.0,
+        last_weight_sync_diff=0.0,
+    )
+    return trainer, module, engine
+
+
+def train_one_step(policy: torch.nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_engine_serves_version_minus_lag_with_those_weights(setup, lag):
+    trainer, module, engine = setup
+    cb = WeightSync(verify=True, tolerance=1e-5, lag=lag)
+    cb.last_probe = [5, 7, 9, 11, 13, 6, 8]
+    snapshots = {0: {k: v.clone() for k, v in named_weights(module.policy).items()}}
+    cb._sync(trainer, module, 0)
+    for v in range(1, 7):
+        train_one_step(module.policy, v)
+        snapshots[v] = {k: t.clone() for k, t in named_weights(module.policy).items()}
+        cb._sync(trainer, module, v)
+        assert module.policy_version == v  # the trainer's version moves on
+        served, weights = engine.received[-1]
+        assert served == max(v - lag, 0)
+        for k, t in weights.items():
+            assert torch.equal(t, snapshots[served][k]), k
+        # verify ran against the delayed weights (exact here: same code on both sides)
+        assert module.last_weight_sync_diff <= 1e-5
+    assert len(cb.delay_line) == (lag + 1 if lag else 0)
+
+
+def test_verify_catches_an_engine_serving_the_wrong_version(setup):
+    trainer, module, engine = setup
+    cb = WeightSync(verify=True, tolerance=1e-5, lag=2)
+    cb.last_probe = [5, 7, 9, 11, 13, 6, 8]
+    cb._sync(trainer, module, 0)
+    real_sync = engine.sync_weights
+    train_one_step(module.policy, 1)
+    current = named_weights(module.policy)
+    # a broken sync that ships the current weights instead of the delayed ones (version 0)
+    engine.sync_weights = lambda named, version: real_sync(current, version)
+    with pytest.raises(WeightSyncError, match="after syncing version 0"):
+        cb._sync(trainer, module, 1)
+
+
+def test_delay_line_survives_a_checkpoint(setup):
+    trainer, module, engine = setup
+    cb = WeightSync(verify=False, lag=2)
+    cb._sync(trainer, module, 0)
+    for v in range(1, 4):
+        train_one_step(module.policy, v)
+        cb._sync(trainer, module, v)
+    state = cb.state_dict()
+    resumed = WeightSync(verify=False, lag=2)
+    resumed.load_state_dict(state)
+    resumed._sync(trainer, module, 3)  # on_train_start after a resume: same version again
+    assert engine.received[-1][0] == 1  # still 3 - 2, not the checkpoint's own weights
+    train_one_step(module.policy, 4)
+    resumed._sync(trainer, module, 4)
+    assert engine.received[-1][0] == 2
+
+
+def test_train_end_flushes_the_current_weights(setup):
+    trainer, module, engine = setup
+    cb = WeightSync(verify=False, lag=2)
+    cb.on_train_start(trainer, module)
+    for v in range(1, 4):
+        train_one_step(module.policy, v)
+        cb._sync(trainer, module, v)
+        trainer.global_step = v
+        cb.synced_step = v
+    cb.on_train_end(trainer, module)
+    assert engine.received[-1][0] == 3 and module.policy_version == 3
+    for k, t in named_weights(module.policy).items():
+        assert torch.equal(engine.received[-1][1][k], t)
+
+
+def test_lag_is_refused_outside_sync_rollout_and_when_negative():
+    from modules.config_errors import ConfigError
+    from modules.validate import validate
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match="callbacks.weight_sync.lag"):
+        validate(compose(["recipe=async_grpo", "callbacks.weight_sync.lag=2"]))
+    with pytest.raises(ConfigError, match="callbacks.weight_sync.lag"):
+        WeightSync(lag=-1)
+    validate(compose(["callbacks.weight_sync.lag=2"]))  # sync rollout: allowed
