@@ -64,28 +64,47 @@ def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
     return None
 
 
-def replay(rows: list[dict[str, str]], **detector: float) -> int | None:
-    """First alarm step of a fresh detector fed the run's logged metrics, step by step."""
+def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
+    """First alarm step of a fresh detector fed the run's logged metrics step by step, as the
+    monitor feeds it: trained steps only, from the step the delayed sync's lag reached K."""
     det = DriftDetector(**detector)
     by_step: dict[int, dict[str, float]] = {}
     for r in rows:
         if r.get("step"):
-            by_step.setdefault(int(r["step"]), {}).update(
-                {k: float(v) for k, v in r.items() if v not in ("", None)}
-            )
+            values = {k: float(v) for k, v in r.items() if v not in ("", None)}
+            by_step.setdefault(int(r["step"]), {}).update(values)
+    ramped = lag == 0
     for step in sorted(by_step):
-        if "train/loss" in by_step[step] and det.update(by_step[step]).alarm:
+        m = by_step[step]
+        if "train/loss" not in m:
+            continue  # not a trained step (an evaluation row)
+        ramped = ramped or m.get("rollout/staleness_max", 0.0) >= lag
+        if ramped and det.update(m).alarm:
             return step
     return None
 
 
-def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict) -> dict:
-    rows = read_metrics(run_dir)
-    summary = json.loads((run_dir / "eval_summary.json").read_text())
-    final = summary["last"].get("eval/sampled_reward_mean", float("nan"))
+def lag_of(spec: str) -> int:
+    for part in spec.partition(":")[2].split(","):
+        if part.startswith("callbacks.weight_sync.lag="):
+            return int(part.split("=", 1)[1])
+    return 0
+
+
+def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict, lag: int = 0) -> dict:
+    """One run's outcome. A run without ``eval_summary.json`` stopped early (non-finite losses):
+    a collapse dated at its last logged step."""
+    rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
+    summary_path = run_dir / "eval_summary.json"
+    if summary_path.exists():
+        final = json.loads(summary_path.read_text())["last"].get("eval/sampled_reward_mean", float("nan"))
+    else:
+        final = float("nan")
     collapsed = not final >= start_reward
     c_step = collapse_step(rows, drop) if collapsed else None
-    alarm = replay(rows, **detector)
+    if collapsed and c_step is None and not summary_path.exists():
+        c_step = max((int(r["step"]) for r in rows if r.get("step")), default=0)
+    alarm = replay(rows, lag, **detector)
     return {
         "final_sampled": final,
         "collapsed": collapsed,
@@ -96,18 +115,24 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict)
     }
 
 
+def start_reward(out: Path) -> float:
+    """The warm start's held-out sampled reward (the shared initial evaluation)."""
+    cached = sorted((out / "initial_eval").glob("*.json"))
+    if not cached:
+        raise SystemExit(f"no initial evaluation under {out / 'initial_eval'}")
+    return json.loads(cached[0].read_text())["metrics"]["eval/sampled_reward_mean"]
+
+
 def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict) -> dict:
     cells = {}
     for spec in specs:
         runs = []
         for seed in seeds:
             run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
-            if not (run_dir / "eval_summary.json").exists():
+            if not (run_dir / "metrics.csv").exists():
                 continue
-            first = json.loads((run_dir / "eval_summary.json").read_text())["first"]
-            runs.append(
-                {"seed": seed, **analyze_run(run_dir, first["eval/sampled_reward_mean"], drop, detector)}
-            )
+            outcome = analyze_run(run_dir, start_reward(out), drop, detector, lag_of(spec))
+            runs.append({"seed": seed, **outcome})
         if not runs:
             continue
         finals = [r["final_sampled"] for r in runs]
@@ -155,7 +180,15 @@ def main() -> None:
     out = args.analyze or args.out
     if not args.analyze:
         for spec in specs:
-            run_recipe(spec, args.seeds, out, args.overrides, args.eval_every, prune_checkpoints=True)
+            run_recipe(
+                spec,
+                args.seeds,
+                out,
+                args.overrides,
+                args.eval_every,
+                prune_checkpoints=True,
+                keep_going=True,
+            )
     detector = {"threshold": args.threshold, "patience": args.patience}
     result = table(out, specs, args.seeds, args.drop, detector)
     out.mkdir(parents=True, exist_ok=True)

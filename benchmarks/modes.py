@@ -285,7 +285,11 @@ def run_recipe(
     overrides: list[str],
     eval_every: int = 5,
     prune_checkpoints: bool = False,
+    keep_going: bool = False,
 ) -> list[dict]:
+    """Train ``spec`` once per seed and evaluate its curve; a failed run stops the benchmark,
+    or with ``keep_going`` is recorded as ``{"seed", "failed": True, "error"}`` (an experiment
+    where a run may legitimately blow up, e.g. ``benchmarks.drift``)."""
     recipe, extra = split_spec(spec)
     overrides = [*overrides, *extra]
     # No evaluation inside the run (it would pause the training clock, unequally across modes):
@@ -304,6 +308,10 @@ def run_recipe(
         t0 = time.time()
         cmd = train_command(recipe, seed, run_dir, injected, overrides)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 and keep_going:
+            per_seed.append({"seed": seed, "failed": True, "error": proc.stderr[-2000:]})
+            print(json.dumps({"recipe": spec, **per_seed[-1]}), file=sys.stderr)
+            continue
         if proc.returncode != 0:
             sys.exit(f"{recipe} seed {seed} failed:\n{proc.stderr[-3000:]}")
         wall = time.time() - t0

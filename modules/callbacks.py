@@ -37,10 +37,11 @@ class WeightSyncError(RuntimeError):
 
 
 # Default verify tolerance (max |engine - trainer| logprob over the probe) by the engine's dtype;
-# the trainer computes in float32. float32 engines agree to ~1e-5 here. A bfloat16 engine differs
-# by rounding (measured in README, "Train-inference mismatch"), so its bound only catches gross
-# sync bugs (a stale tensor moves logprobs by whole nats).
-VERIFY_TOLERANCE = {"float32": 1e-4, "auto": 1e-4, "bfloat16": 0.5, "float16": 0.1}
+# the trainer computes in float32. float32 engines agree to ~1e-5 here. A bfloat16 / float16
+# engine differs by rounding, so its bound catches only gross sync bugs (a missing or stale
+# tensor moves logprobs by whole nats), not a slightly wrong version. ``engine.dtype=auto``
+# depends on the checkpoint, so it needs an explicit tolerance.
+VERIFY_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.1}
 
 
 class WeightSync(L.Callback):
@@ -52,35 +53,45 @@ class WeightSync(L.Callback):
     tied ``lm_head``, otherwise shows up only as a slowly drifting ``train/kl_behavior``).
 
     ``lag`` K > 0 is a delayed sync, for off-policy experiments: when the trainer reaches
-    version v the engine gets the weights of version v - K (kept on the CPU, K + 1 copies), so
-    with ``rollout=sync`` every trained token is exactly K versions old once v >= K (the first
-    K batches come from the starting weights). Lag is then an experimental variable rather than
-    an emergent one. The delay line is checkpointed; at train end the engine gets the current
-    weights, so the final evaluation and saved model describe the trained policy.
+    version v the engine gets the weights of version v - K (kept on rank 0's CPU, K + 1 copies,
+    also in every checkpoint), so with ``rollout=sync`` every trained token is exactly K versions
+    old once v >= K (the first K batches come from the starting weights, and no sync is sent
+    while the served version does not change). Lag is then an experimental variable rather
+    than an emergent one. The delay line is checkpointed; at train end the engine gets the
+    current weights, so the final evaluation and saved model describe the trained policy.
     """
 
     def __init__(
         self, verify: bool = True, tolerance: float | None = None, lag: int = 0, engine_dtype: str = "float32"
     ) -> None:
-        from modules.config_errors import check, check_choice
+        from modules.config_errors import check
 
         check("callbacks.weight_sync.lag", lag, isinstance(lag, int) and lag >= 0, "an int >= 0")
-        check_choice("callbacks.weight_sync.engine_dtype", engine_dtype, list(VERIFY_TOLERANCE))
+        check(
+            "callbacks.weight_sync.tolerance",
+            tolerance,
+            tolerance is not None or engine_dtype in VERIFY_TOLERANCE,
+            f"a number when engine.dtype={engine_dtype} (null picks it only for "
+            f"{', '.join(VERIFY_TOLERANCE)})",
+        )
         self.verify = verify
         self.tolerance = VERIFY_TOLERANCE[engine_dtype] if tolerance is None else tolerance
         self.lag = lag
         self.last_probe: list[int] | None = None
         # (version, CPU weights) of the last lag + 1 versions; the oldest is what the engine serves
         self.delay_line: list[tuple[int, dict[str, torch.Tensor]]] = []
-        self.served_version: int | None = None
+        self.served_version: int | None = None  # what the engine serves (rank 0; None: nothing yet)
 
     def _delayed(self, weights: dict[str, torch.Tensor], version: int) -> tuple[dict[str, torch.Tensor], int]:
-        """The weights and version the engine should serve when the trainer is at ``version``."""
+        """The weights and version the engine should serve when the trainer is at ``version``.
+        A version already in the line keeps its weights (a resume mid rollout batch re-syncs
+        the checkpoint's version with partly updated weights)."""
         if self.lag == 0:
             return weights, version
-        self.delay_line = [(v, w) for v, w in self.delay_line if v < version]
-        self.delay_line.append((version, {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}))
-        self.delay_line = [(v, w) for v, w in self.delay_line if v >= version - self.lag]
+        line = [(v, w) for v, w in self.delay_line if v <= version]
+        if not line or line[-1][0] != version:
+            line.append((version, {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}))
+        self.delay_line = [(v, w) for v, w in line if v >= version - self.lag]
         return self.delay_line[0][1], self.delay_line[0][0]
 
     def _sync(
@@ -91,8 +102,11 @@ class WeightSync(L.Callback):
             self._check_ranks_agree(pl_module, version)
         if trainer.global_rank != 0:
             return  # DDP: rank 0 owns the engine; the weights are the same on every rank
+        trainer.datamodule.set_trainer_version(version)  # staleness is counted from it
         weights = pl_module.weights_for_engine()
         served, served_version = (weights, version) if flush else self._delayed(weights, version)
+        if served is not weights and served_version == self.served_version:
+            return  # a delayed sync whose served version did not move: the engine has it
         self.served_version = served_version
         pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(served, served_version)
         if self.verify and self.last_probe:
@@ -111,6 +125,10 @@ class WeightSync(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         self.delay_line = list(state_dict.get("delay_line", []))  # type: ignore[arg-type]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0:  # callback state is restored before this hook
+            self.delay_line = []  # only rank 0 serves the engine
 
     @staticmethod
     def _check_ranks_agree(pl_module: L.LightningModule, version: int) -> None:
@@ -181,7 +199,7 @@ class WeightSync(L.Callback):
         if trainer.global_step != self.synced_step:
             self._sync(trainer, pl_module, pl_module.policy_version + 1, flush=True)
             self.synced_step = trainer.global_step
-        elif self.lag and self.served_version != pl_module.policy_version:
+        elif self.lag:  # the engine serves v - K: flush (same decision on every DDP rank)
             self._sync(trainer, pl_module, pl_module.policy_version, flush=True)
 
 
@@ -218,7 +236,8 @@ class HeldOutEval(L.Callback):
     """Greedy held-out reward from the engine: at start, every N policy versions, at the end.
 
     Counting policy versions (weight syncs), not optimizer steps, means the engine always
-    evaluates the weights the trainer has. Writes ``eval/*`` to the loggers and
+    evaluates the weights the trainer has (under a delayed sync, the ones it serves: the
+    record's ``policy_version`` says which). Writes ``eval/*`` to the loggers and
     ``eval_summary.json`` (first, last and all evaluations) in the run directory.
     Must come after ``WeightSync`` in the callback list.
     """
@@ -234,7 +253,7 @@ class HeldOutEval(L.Callback):
         if not metrics:
             return
         metrics["step"] = trainer.global_step
-        metrics["policy_version"] = pl_module.policy_version
+        metrics["policy_version"] = self._engine_version(trainer, pl_module)
         self.history.append(metrics)
         for logger in trainer.loggers:
             logger.log_metrics(
@@ -251,13 +270,21 @@ class HeldOutEval(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._run(trainer, pl_module)
 
+    @staticmethod
+    def _engine_version(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """The version the engine serves (behind the trainer's under a delayed sync)."""
+        ws = next((c for c in trainer.callbacks if isinstance(c, WeightSync)), None)
+        if ws is not None and ws.served_version is not None:
+            return ws.served_version
+        return pl_module.policy_version
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        version = pl_module.policy_version
+        version = self._engine_version(trainer, pl_module)
         if self.every_n_versions and version % self.every_n_versions == 0 and version != self._last_version():
             self._run(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.policy_version != self._last_version():
+        if self._engine_version(trainer, pl_module) != self._last_version():
             self._run(trainer, pl_module)
         if trainer.global_rank == 0 and len(self.history) > 1:
             for line in before_after(self.history[0], self.history[-1]):

@@ -16,8 +16,10 @@ steps:
   rate). A smaller step keeps the current policy close to the behaviour policy whatever the lag.
 
 After ``relax_after`` consecutive steps with the score below half the threshold it undoes the
-most recent notch (a smaller lr first goes back up, then the bound), so a passing spike costs
-little. Every action is logged as ``controller/*`` metrics and on the console. The state
+most recent notch (the lr or the bound goes back to what it was before that notch), so a
+passing spike costs little. Under a delayed sync the detector waits until the lag has ramped
+up to K (its first K versions are less stale) before it fits its baseline; skipped
+(non-finite) steps are not fed to it. Every action is logged as ``controller/*`` metrics and on the console. The state
 (detector baseline, notches taken) is checkpointed. Under DDP every rank sees the same reduced
 metrics and takes the same decisions; only rank 0's rollout has a staleness bound to move.
 """
@@ -32,7 +34,7 @@ import torch
 
 from modules.callbacks import WeightSync
 from modules.config_errors import check
-from modules.drift import DriftDetector
+from modules.drift import DriftDetector, DriftReading
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +86,17 @@ class DriftCallback(L.Callback):
         self.cooldown = cooldown
         self.relax_after = relax_after
         self.lr_scale = 1.0
-        self.staleness_cut = 0  # versions taken off the configured bound
-        self.notches: list[str] = []  # actions taken and not undone, most recent last
+        # actions taken and not undone, most recent last: ("lr", factor) or ("staleness", bound before)
+        self.notches: list[tuple[str, float]] = []
+        self.bound: int | None = None  # the staleness bound as the controller left it (None: untouched)
         self.since_action = cooldown
         self.healthy = 0
         self.alarms = 0
         self.grad_norm: float | None = None
         self._lag_knob: WeightSync | None = None
+        self._configured_bound: int | None = None
         self._observed_staleness: int | None = None
+        self._ramp_done = True
 
     # ------------------------------------------------------------------ the knobs
     def _bound(self, trainer: L.Trainer) -> int | None:
@@ -102,6 +107,7 @@ class DriftCallback(L.Callback):
         return trainer.datamodule.staleness_bound()
 
     def _set_bound(self, trainer: L.Trainer, value: int) -> None:
+        self.bound = value
         if self._lag_knob is not None:
             self._lag_knob.lag = value
         else:
@@ -109,37 +115,55 @@ class DriftCallback(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Which knob, from the configured values; then re-apply a resumed run's cut (callback
+        # Which knob, from the configured values; then re-apply a resumed run's bound (callback
         # state is restored before this hook; the lr scale lives in the optimizer's state).
         ws = next((c for c in trainer.callbacks if isinstance(c, WeightSync)), None)
         self._lag_knob = ws if ws is not None and ws.lag > 0 else None
-        bound = self._bound(trainer)
-        if self.staleness_cut and bound is not None:
-            self._set_bound(trainer, max(bound - self.staleness_cut, 0))
+        self._configured_bound = self._bound(trainer)
+        # A delayed sync's lag ramps 0..K over its first K versions: no baseline from the ramp.
+        self._ramp_done = self._lag_knob is None or self.detector.steps > 0
+        if self.bound is not None and self._configured_bound is not None:
+            self._set_bound(trainer, self.bound)
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         norms = [p.grad.detach().norm(2) for p in pl_module.parameters() if p.grad is not None]
-        self.grad_norm = float(torch.stack(norms).norm(2)) if norms else 0.0
+        self.grad_norm = float(torch.stack(norms).norm(2)) if norms else None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+    def _observed(self, trainer: L.Trainer, pl_module: L.LightningModule, metrics: dict[str, float]) -> None:
+        """The largest staleness any rank trained this step (the same on every rank)."""
+        x = metrics.get("rollout/staleness_max")
+        if x is None or not math.isfinite(x):
+            return
+        if trainer.world_size > 1:
+            x = float(pl_module.all_gather(torch.tensor(x, device=pl_module.device)).max())
+        self._observed_staleness = int(x)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object = None, *args: object
+    ) -> None:
+        grad_norm, self.grad_norm = self.grad_norm, None
+        if outputs is None or grad_norm is None:
+            return  # a skipped (non-finite) step: nothing was trained, the metrics are stale
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        if self.grad_norm is not None:
-            metrics["train/grad_norm"] = self.grad_norm
-            pl_module.log("train/grad_norm", self.grad_norm, on_step=True, on_epoch=False, batch_size=1)
-        self.grad_norm = None
-        if "rollout/staleness_max" in metrics and math.isfinite(metrics["rollout/staleness_max"]):
-            self._observed_staleness = int(metrics["rollout/staleness_max"])
-        reading = self.detector.update(metrics)
-        values = {"drift/score": reading.score, "drift/alarm": float(reading.alarm)}
-        values.update({f"drift/z/{k}": v for k, v in reading.z.items()})
-        self.alarms += int(reading.alarm)
-        self.since_action += 1
+        metrics["train/grad_norm"] = grad_norm
+        self._observed(trainer, pl_module, metrics)
+        if not self._ramp_done:
+            self._ramp_done = (self._observed_staleness or 0) >= self._lag_knob.lag  # type: ignore[union-attr]
+        values = {"train/grad_norm": grad_norm}
+        if self._ramp_done:
+            reading = self.detector.update(metrics)
+            values.update({"drift/score": reading.score, "drift/alarm": float(reading.alarm)})
+            values.update({f"drift/z/{k}": v for k, v in reading.z.items()})
+            self.alarms += int(reading.alarm)
+            self.since_action += 1
+            if self.actions:
+                self._control(trainer, reading)
+        else:
+            values.update({"drift/score": 0.0, "drift/alarm": 0.0})
         if self.actions:
-            self._control(trainer, pl_module, reading)
             values["controller/lr_scale"] = self.lr_scale
-            values["controller/staleness_cut"] = float(self.staleness_cut)
             bound = self._bound(trainer)
             if bound is not None:
                 values["controller/staleness_bound"] = float(bound)
@@ -147,51 +171,49 @@ class DriftCallback(L.Callback):
         for k, v in values.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, batch_size=1)
 
-    def _control(self, trainer: L.Trainer, pl_module: L.LightningModule, reading: object) -> None:
-        score, alarm = reading.score, reading.alarm  # type: ignore[attr-defined]
+    def _control(self, trainer: L.Trainer, reading: DriftReading) -> None:
         step = trainer.global_step
-        if alarm and self.since_action >= self.cooldown:
+        if reading.alarm and self.since_action >= self.cooldown:
             done = []
             if "staleness" in self.actions:
-                bound = self._bound(trainer)
+                before = self._bound(trainer)
+                bound = before
                 if bound is not None and self._observed_staleness is not None:
                     # a loose bound (partial rollout's default is unbounded) comes down to
                     # what the run actually sees first, else the cut would change nothing
                     bound = min(bound, self._observed_staleness)
-                if bound is not None and bound > 0:
-                    before = self._bound(trainer)
+                if before is not None and bound is not None and bound > 0:
                     self._set_bound(trainer, bound - 1)
-                    self.staleness_cut += before - (bound - 1)
-                    self.notches.append("staleness")
+                    self.notches.append(("staleness", float(before)))
                     done.append(f"staleness bound {before} -> {bound - 1}")
             if "lr" in self.actions and self.lr_scale * self.lr_factor >= self.min_lr_scale - 1e-12:
                 scale_learning_rate(trainer, self.lr_factor)
                 self.lr_scale *= self.lr_factor
-                self.notches.append("lr")
+                self.notches.append(("lr", self.lr_factor))
                 done.append(f"lr x{self.lr_factor:g} (now {self.lr_scale:g} of configured)")
             if done:
                 self.since_action = 0
                 log.warning(
                     "drift alarm at step %d (score %.1f, driven by %s): %s",
                     step,
-                    score,
+                    reading.score,
                     reading.driver,
-                    "; ".join(done),  # type: ignore[attr-defined]
+                    "; ".join(done),
                 )
             self.healthy = 0
             return
-        self.healthy = self.healthy + 1 if math.isfinite(score) and score < self.detector.threshold / 2 else 0
+        quiet = math.isfinite(reading.score) and reading.score < self.detector.threshold / 2
+        self.healthy = self.healthy + 1 if quiet else 0
         if self.healthy >= self.relax_after and self.notches:
-            undo = self.notches.pop()
-            if undo == "lr":
-                scale_learning_rate(trainer, 1 / self.lr_factor)
-                self.lr_scale /= self.lr_factor
+            kind, value = self.notches.pop()
+            if kind == "lr":
+                scale_learning_rate(trainer, 1 / value)
+                self.lr_scale /= value
                 what = f"lr back to {self.lr_scale:g} of configured"
             else:
-                bound = self._bound(trainer) or 0
-                self._set_bound(trainer, bound + 1)
-                self.staleness_cut = max(self.staleness_cut - 1, 0)
-                what = f"staleness bound {bound} -> {bound + 1}"
+                now = self._bound(trainer)
+                self._set_bound(trainer, int(value))
+                what = f"staleness bound {now} -> {int(value)}"
             self.healthy = 0
             self.since_action = 0
             log.warning("drift quiet for %d steps at step %d: %s", self.relax_after, step, what)
@@ -200,8 +222,8 @@ class DriftCallback(L.Callback):
         return {
             "detector": self.detector.state_dict(),
             "lr_scale": self.lr_scale,
-            "staleness_cut": self.staleness_cut,
-            "notches": list(self.notches),
+            "bound": self.bound,
+            "notches": [list(n) for n in self.notches],
             "since_action": self.since_action,
             "healthy": self.healthy,
             "alarms": self.alarms,
@@ -210,8 +232,9 @@ class DriftCallback(L.Callback):
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         self.detector.load_state_dict(state_dict["detector"])  # type: ignore[arg-type]
         self.lr_scale = float(state_dict["lr_scale"])  # type: ignore[arg-type]
-        self.staleness_cut = int(state_dict["staleness_cut"])  # type: ignore[arg-type]
-        self.notches = list(state_dict["notches"])  # type: ignore[arg-type]
+        bound = state_dict["bound"]
+        self.bound = None if bound is None else int(bound)  # type: ignore[arg-type]
+        self.notches = [(str(k), float(v)) for k, v in state_dict["notches"]]  # type: ignore[union-attr]
         self.since_action = int(state_dict["since_action"])  # type: ignore[arg-type]
         self.healthy = int(state_dict["healthy"])  # type: ignore[arg-type]
         self.alarms = int(state_dict["alarms"])  # type: ignore[arg-type]

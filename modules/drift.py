@@ -15,8 +15,8 @@ signal is compared with *its own* level over the first ``warmup`` steps of the r
 * each signal is put on a scale where drift is additive (``log`` for positive, heavy-tailed
   ones such as the behaviour KL or the gradient norm), and oriented so that rising is bad
   (``direction=-1`` flips the ESS fraction, which falls when weights degenerate);
-* the first ``skip`` steps are ignored (a delayed sync's lag ramps up over its first K steps,
-  so the monitor's config sets ``skip`` to ``callbacks.weight_sync.lag``);
+* the first ``skip`` steps are ignored (``modules.controller`` also holds the detector back
+  while a delayed sync's lag ramps up to K);
 * the baseline is the warm-up median and a robust spread (1.4826 x MAD, floored at
   ``min_scale`` so a flat warm-up does not turn noise into alarms);
 * z_t = direction * (x_t - median) / spread, smoothed by an EWMA (``alpha``) so one noisy batch
@@ -84,14 +84,24 @@ class DriftDetector:
         alpha: float = 0.3,
         skip: int = 0,
     ) -> None:
-        check("callbacks.drift.warmup", warmup, isinstance(warmup, int) and warmup >= 3, "an int >= 3")
-        check("callbacks.drift.threshold", threshold, threshold > 0, "a float > 0 (robust z units)")
         check(
-            "callbacks.drift.patience", patience, isinstance(patience, int) and patience >= 1, "an int >= 1"
+            "callbacks.drift.detector.warmup", warmup, isinstance(warmup, int) and warmup >= 3, "an int >= 3"
         )
-        check("callbacks.drift.alpha", alpha, 0 < alpha <= 1, "a float in (0, 1] (EWMA weight of a new step)")
-        check("callbacks.drift.signals", list(signals), len(signals) > 0, "at least one signal")
-        check("callbacks.drift.skip", skip, isinstance(skip, int) and skip >= 0, "an int >= 0")
+        check("callbacks.drift.detector.threshold", threshold, threshold > 0, "a float > 0 (robust z units)")
+        check(
+            "callbacks.drift.detector.patience",
+            patience,
+            isinstance(patience, int) and patience >= 1,
+            "an int >= 1",
+        )
+        check(
+            "callbacks.drift.detector.alpha",
+            alpha,
+            0 < alpha <= 1,
+            "a float in (0, 1] (EWMA weight of a new step)",
+        )
+        check("callbacks.drift.detector.signals", list(signals), len(signals) > 0, "at least one signal")
+        check("callbacks.drift.detector.skip", skip, isinstance(skip, int) and skip >= 0, "an int >= 0")
         self.signals = tuple(signals)
         self.warmup = warmup
         self.threshold = threshold

@@ -23,6 +23,7 @@ def healthy(step: int, rng: random.Random) -> dict[str, float]:
         "train/clip_frac": max(0.0, rng.gauss(0.05, 0.01)),
         "train/grad_norm": 0.5 * math.exp(rng.gauss(0, 0.2)),
         "train/loss": rng.gauss(0, 1),  # not a signal: ignored
+        "rollout/staleness_max": 4.0,  # what the trainer saw (the controller reads it)
     }
 
 
@@ -111,11 +112,11 @@ def test_detector_state_roundtrip():
 @pytest.mark.parametrize(
     "kw, field",
     [
-        ({"warmup": 2}, "callbacks.drift.warmup"),
-        ({"threshold": 0}, "callbacks.drift.threshold"),
-        ({"patience": 0}, "callbacks.drift.patience"),
-        ({"alpha": 1.5}, "callbacks.drift.alpha"),
-        ({"signals": []}, "callbacks.drift.signals"),
+        ({"warmup": 2}, "callbacks.drift.detector.warmup"),
+        ({"threshold": 0}, "callbacks.drift.detector.threshold"),
+        ({"patience": 0}, "callbacks.drift.detector.patience"),
+        ({"alpha": 1.5}, "callbacks.drift.detector.alpha"),
+        ({"signals": []}, "callbacks.drift.detector.signals"),
     ],
 )
 def test_detector_bad_config(kw, field):
@@ -156,6 +157,7 @@ def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, **kw):
     ws = WeightSync(verify=False, lag=lag)
     cb = DriftCallback(DriftDetector(), actions=kw.pop("actions", ["staleness", "lr"]), **kw)
     trainer = SimpleNamespace(
+        world_size=1,
         callbacks=[cb, ws],
         optimizers=[opt],
         lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
@@ -172,10 +174,15 @@ def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, **kw):
     return cb, trainer, module, ws, opt, sched, logged
 
 
-def feed(cb, trainer, module, logged, metrics: dict[str, float]) -> dict[str, float]:
+def feed(cb, trainer, module, logged, metrics: dict[str, float], skipped: bool = False) -> dict[str, float]:
+    """One optimizer step: the gradient (norm = the stream's grad norm), then the step's metrics."""
+    metrics = dict(metrics)
+    param = module.parameters()[0]
+    param.grad = None if skipped else torch.tensor([metrics.pop("train/grad_norm", 1.0), 0.0, 0.0])
+    cb.on_before_optimizer_step(trainer, module, trainer.optimizers[0])
     trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
     logged.append({})
-    cb.on_train_batch_end(trainer, module)
+    cb.on_train_batch_end(trainer, module, None if skipped else {"loss": torch.tensor(0.0)})
     trainer.global_step += 1
     return logged[-1]
 
@@ -218,6 +225,11 @@ def test_streaming_bound_comes_down_from_what_the_run_sees():
         feed(cb, trainer, module, logged, m)
     assert trainer.datamodule.bound < 3  # not 999_999
     assert cb.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)  # lr not an action here
+    for _ in range(2000):  # quiet again: each notch restores the bound it replaced
+        if not cb.notches:
+            break
+        feed(cb, trainer, module, logged, healthy(0, rng))
+    assert trainer.datamodule.bound == 1_000_000
 
 
 def test_sync_rollout_has_no_bound_to_lower_but_lr_still_acts():
@@ -226,7 +238,7 @@ def test_sync_rollout_has_no_bound_to_lower_but_lr_still_acts():
     for t in range(60):
         out = feed(cb, trainer, module, logged, drifting(t, rng, start=30))
     assert "controller/staleness_bound" not in out
-    assert cb.notches and set(cb.notches) == {"lr"}
+    assert cb.notches and {kind for kind, _ in cb.notches} == {"lr"}
 
 
 def test_lr_never_below_its_floor():
@@ -259,13 +271,24 @@ def test_resume_reapplies_the_cut():
     assert ws2.lag == ws.lag
 
 
-def test_grad_norm_is_measured_before_the_step():
+def test_grad_norm_is_measured_before_the_step_and_skipped_steps_are_not_fed():
     cb, trainer, module, ws, opt, sched, logged = make_run()
-    p = module.parameters()[0]
-    p.grad = torch.tensor([3.0, 4.0, 0.0])
-    cb.on_before_optimizer_step(trainer, module, opt)
-    out = feed(cb, trainer, module, logged, {})
-    assert out["train/grad_norm"] == pytest.approx(5.0)
+    out = feed(cb, trainer, module, logged, {"train/grad_norm": 5.0})
+    assert out["train/grad_norm"] == pytest.approx(5.0) and cb.detector.steps == 1
+    out = feed(cb, trainer, module, logged, {"train/grad_norm": 5.0}, skipped=True)
+    assert out == {} and cb.detector.steps == 1
+
+
+def test_detector_waits_for_the_lag_ramp():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, actions=["staleness"])
+    rng = random.Random(9)
+    for t in range(4):  # staleness 0, 1, 2, 3: the delayed sync is still ramping up
+        m = healthy(t, rng)
+        m["rollout/staleness_max"] = float(t)
+        out = feed(cb, trainer, module, logged, m)
+        assert cb.detector.steps == 0 and out["drift/score"] == 0.0
+    feed(cb, trainer, module, logged, healthy(4, rng))  # staleness 4 = K
+    assert cb.detector.steps == 1
 
 
 def test_scale_learning_rate_without_scheduler():
@@ -305,5 +328,5 @@ def test_skip_keeps_a_lag_ramp_out_of_the_baseline():
     readings = [det.update(ramp(t, rng)) for t in range(200)]
     assert all(r.score == 0.0 for r in readings[:14])  # 4 skipped + 10 of warm-up
     assert not any(r.alarm for r in readings)
-    with pytest.raises(ConfigError, match="callbacks.drift.skip"):
+    with pytest.raises(ConfigError, match="callbacks.drift.detector.skip"):
         DriftDetector(skip=-1)

@@ -23,6 +23,10 @@ class RecordingEngine:
     def __init__(self, policy: torch.nn.Module) -> None:
         self.model = copy.deepcopy(policy).eval()
         self.received: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.trainer_version: int | None = None
+
+    def set_trainer_version(self, version: int) -> None:
+        self.trainer_version = version
 
     def sync_weights(self, named: dict[str, torch.Tensor], version: int) -> float:
         self.received.append((version, {k: v.clone() for k, v in named.items()}))
@@ -74,7 +78,7 @@ def test_engine_serves_version_minus_lag_with_those_weights(setup, lag):
         train_one_step(module.policy, v)
         snapshots[v] = {k: t.clone() for k, t in named_weights(module.policy).items()}
         cb._sync(trainer, module, v)
-        assert module.policy_version == v  # the trainer's version moves on
+        assert module.policy_version == v == engine.trainer_version  # the trainer's moves on
         served, weights = engine.received[-1]
         assert served == max(v - lag, 0)
         for k, t in weights.items():
@@ -82,6 +86,8 @@ def test_engine_serves_version_minus_lag_with_those_weights(setup, lag):
         # verify ran against the delayed weights (exact here: same code on both sides)
         assert module.last_weight_sync_diff <= 1e-5
     assert len(cb.delay_line) == (lag + 1 if lag else 0)
+    # while the served version stands still (the first K syncs) nothing is re-sent
+    assert [v for v, _ in engine.received] == sorted({max(v - lag, 0) for v in range(7)})
 
 
 def test_verify_catches_an_engine_serving_the_wrong_version(setup):
@@ -89,30 +95,40 @@ def test_verify_catches_an_engine_serving_the_wrong_version(setup):
     cb = WeightSync(verify=True, tolerance=1e-5, lag=2)
     cb.last_probe = [5, 7, 9, 11, 13, 6, 8]
     cb._sync(trainer, module, 0)
+    for v in (1, 2):
+        train_one_step(module.policy, v)
+        cb._sync(trainer, module, v)
     real_sync = engine.sync_weights
-    train_one_step(module.policy, 1)
+    train_one_step(module.policy, 3)
     current = named_weights(module.policy)
-    # a broken sync that ships the current weights instead of the delayed ones (version 0)
+    # a broken sync that ships the current weights instead of the delayed ones (version 1)
     engine.sync_weights = lambda named, version: real_sync(current, version)
-    with pytest.raises(WeightSyncError, match="after syncing version 0"):
-        cb._sync(trainer, module, 1)
+    with pytest.raises(WeightSyncError, match="after syncing version 1"):
+        cb._sync(trainer, module, 3)
 
 
-def test_delay_line_survives_a_checkpoint(setup):
+def test_delay_line_survives_a_checkpoint(setup, tmp_path):
     trainer, module, engine = setup
     cb = WeightSync(verify=False, lag=2)
     cb._sync(trainer, module, 0)
+    snapshots = {}
     for v in range(1, 4):
         train_one_step(module.policy, v)
         cb._sync(trainer, module, v)
-    state = cb.state_dict()
+        snapshots[v] = {k: t.clone() for k, t in named_weights(module.policy).items()}
+    torch.save(cb.state_dict(), tmp_path / "cb.pt")  # as a Lightning checkpoint holds it
+    train_one_step(module.policy, 99)  # the checkpoint was taken mid rollout batch: weights moved on
     resumed = WeightSync(verify=False, lag=2)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(torch.load(tmp_path / "cb.pt", weights_only=False))
     resumed._sync(trainer, module, 3)  # on_train_start after a resume: same version again
     assert engine.received[-1][0] == 1  # still 3 - 2, not the checkpoint's own weights
     train_one_step(module.policy, 4)
     resumed._sync(trainer, module, 4)
-    assert engine.received[-1][0] == 2
+    train_one_step(module.policy, 5)
+    resumed._sync(trainer, module, 5)
+    served, weights = engine.received[-1]
+    assert served == 3  # version 3 is the weights synced as 3, not the moved-on ones
+    assert all(torch.equal(weights[k], snapshots[3][k]) for k in weights)
 
 
 def test_train_end_flushes_the_current_weights(setup):
@@ -140,3 +156,13 @@ def test_lag_is_refused_outside_sync_rollout_and_when_negative():
     with pytest.raises(ConfigError, match="callbacks.weight_sync.lag"):
         WeightSync(lag=-1)
     validate(compose(["callbacks.weight_sync.lag=2"]))  # sync rollout: allowed
+
+
+def test_verify_tolerance_follows_the_engine_dtype():
+    from modules.config_errors import ConfigError
+
+    assert WeightSync(engine_dtype="float32").tolerance == 1e-4
+    assert WeightSync(engine_dtype="bfloat16").tolerance > 0.1
+    assert WeightSync(tolerance=0.3, engine_dtype="auto").tolerance == 0.3
+    with pytest.raises(ConfigError, match="callbacks.weight_sync.tolerance"):
+        WeightSync(engine_dtype="auto")  # what auto means depends on the checkpoint

@@ -73,6 +73,8 @@ class RolloutController:
     admission_control = False
     # Policy versions a trained group may lag (None: nothing is ever stale, the sync barrier).
     max_staleness: int | None = None
+    # The trainer's version when it differs from the engine's (a delayed sync, sync mode only).
+    trainer_version: int | None = None
 
     def __init__(self, prompts_per_step: int, group_size: int, sampling: SamplingConfig) -> None:
         check(

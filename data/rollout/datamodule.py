@@ -253,6 +253,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
         return self.engine.update_weights(named_tensors, version, inflight=self.rollout.inflight)
 
+    def set_trainer_version(self, version: int) -> None:
+        """The trainer's policy version (ahead of the engine's under a delayed sync): the sync
+        rollout counts its samples' staleness from it."""
+        self.rollout.trainer_version = version
+
     def staleness_bound(self) -> int | None:
         """The rollout's ``max_staleness`` (None in sync mode); moved by ``modules.controller``."""
         return self.rollout.max_staleness

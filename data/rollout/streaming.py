@@ -32,6 +32,7 @@ from typing import Any
 from data.rollout.controller import Pending, RolloutContext, RolloutController
 from data.rollout.experience import Experience
 from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
+from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessPolicy
 from modules.config_errors import check, check_choice
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
@@ -50,28 +51,36 @@ class StreamingRollout(RolloutController):
         prompts_per_step: int,
         group_size: int,
         sampling: SamplingConfig,
-        max_inflight: int = 32,
+        max_inflight: int | str = "auto",
         max_staleness: int = 1,
         staleness: StalenessPolicy | None = None,
-        buffer_capacity: int = 64,
+        buffer_capacity: int | str = "auto",
         max_age_s: float | None = None,
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,
         selection: BatchSelection | None = None,
         reweight: bool = False,
+        cancel_doomed: bool = True,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
-        check("rollout.max_inflight", max_inflight, max_inflight >= 1, "an int >= 1 (groups)")
+        check(
+            "rollout.max_inflight",
+            max_inflight,
+            max_inflight == "auto" or (isinstance(max_inflight, int) and max_inflight >= 1),
+            "auto (rate-matched up to the engine's concurrency) or an int >= 1 (groups)",
+        )
         check("rollout.max_staleness", max_staleness, max_staleness >= 0, "an int >= 0 (policy versions)")
         check(
             "rollout.buffer_capacity",
             buffer_capacity,
-            buffer_capacity >= prompts_per_step,
-            f">= rollout.prompts_per_step ({prompts_per_step})",
+            buffer_capacity == "auto"
+            or (isinstance(buffer_capacity, int) and buffer_capacity >= prompts_per_step),
+            f"auto or an int >= rollout.prompts_per_step ({prompts_per_step})",
         )
         check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
         check("rollout.max_age_s", max_age_s, max_age_s is None or max_age_s > 0, "null or a float > 0")
         self.max_inflight = max_inflight
+        self.cancel_doomed = cancel_doomed
         self.max_staleness = max_staleness
         self.staleness = staleness or Drop()
         self.buffer_capacity = buffer_capacity
@@ -101,7 +110,14 @@ class StreamingRollout(RolloutController):
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
-        self.counters = {"dropped": 0, "downweighted": 0, "recomputed": 0, "carried_over": 0, "expired": 0}
+        self.counters = {
+            "dropped": 0,
+            "cancelled": 0,
+            "downweighted": 0,
+            "recomputed": 0,
+            "carried_over": 0,
+            "expired": 0,
+        }
 
     def check_advantage(self, advantage: Any) -> None:
         check(
@@ -115,6 +131,7 @@ class StreamingRollout(RolloutController):
     def bind(self, ctx: RolloutContext) -> None:
         super().bind(ctx)
         self._units_per_group = self.group_size if ctx.advantage.per_response else 1
+        self._sizing = Sizing.of(self, ctx.engine.concurrency)
 
     @property
     def _batch_units(self) -> int:
@@ -136,7 +153,7 @@ class StreamingRollout(RolloutController):
         return outstanding < slots * self.prompts_per_step
 
     def _target_inflight(self) -> int:
-        return self.max_inflight
+        return self._sizing.inflight
 
     def _top_up(self) -> None:
         """Start groups while below target, under buffer capacity and admission control."""
@@ -144,7 +161,7 @@ class StreamingRollout(RolloutController):
             return
         while (
             len(self._groups) < self._target_inflight()
-            and len(self._groups) + len(self._buffer) / self._units_per_group < self.buffer_capacity
+            and len(self._groups) + len(self._buffer) / self._units_per_group < self._sizing.outstanding
             and self._admission_open()
         ):
             row = self.ctx.prompts.next()
@@ -214,13 +231,19 @@ class StreamingRollout(RolloutController):
         deadline = time.monotonic() + self.wait_timeout_s
         with self._cv:
             self._start_iteration()
+            waited = False
             while True:
                 if self._error is not None:
                     raise self._error
                 batch = self._take()
                 if batch is not None:
+                    self._sizing.after_take(
+                        waited, len(self._buffer) / self._units_per_group, self.prompts_per_step
+                    )
+                    self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()
                     return batch
+                waited = True
                 self._top_up()
                 engine.wait_on(self._cv)
                 if time.monotonic() > deadline:
@@ -263,7 +286,10 @@ class StreamingRollout(RolloutController):
                 if self._units_per_group == 1:
                     self.ctx.prompts.requeue([self.ctx.prompts.index_of(r.exps[0].extras["row"])])
                     self.bias.on_issue(r.level, -self.group_size)  # counted again when re-issued
-        # 1) A dropping policy removes too-stale groups as soon as they are seen.
+        # 1) A dropping policy removes too-stale groups as soon as they are seen, and stops
+        # generating the ones it would drop on arrival (their slots go to useful work).
+        if self.staleness.drops and self.cancel_doomed:
+            self._cancel_doomed(version)
         if self.staleness.drops:
             for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:
                 self._buffer.remove(r)
@@ -308,6 +334,22 @@ class StreamingRollout(RolloutController):
             **{f"rollout/{k}": float(v) for k, v in self.counters.items()},
         }
         return out
+
+    def _cancel_doomed(self, version: int) -> None:
+        """Cancel groups still generating whose oldest token is already more than
+        ``max_staleness`` versions old: a dropping policy would discard them on arrival (their
+        staleness only grows), so what they would still generate is wasted engine time."""
+        doomed = {gid for gid, g in self._groups.items() if version - g.start_version > self.max_staleness}
+        if not doomed:
+            return
+        for fut, p in list(self._requests.items()):
+            if p.group_id in doomed:
+                del self._requests[fut]
+                fut.cancel()
+        for gid in doomed:
+            del self._groups[gid]
+        self.counters["dropped"] += len(doomed)
+        self.counters["cancelled"] += len(doomed)
 
     # ------------------------------------------------------------------ lifecycle / state
     def close(self) -> None:

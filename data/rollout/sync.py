@@ -3,7 +3,8 @@
 Each call samples ``prompts_per_step`` prompts x ``group_size`` responses with the current
 policy, scores each response as it finishes, and returns only when every group is complete.
 The trainer then updates and the new weights reach the engine before the next call, so every
-trained token comes from the current policy version (staleness 0). The iteration lasts as
+trained token comes from the current policy version (staleness 0; exactly K behind a delayed
+sync, ``callbacks.weight_sync.lag``). The iteration lasts as
 long as its slowest response: that idle tail is what the async modes remove.
 """
 
@@ -33,4 +34,9 @@ class SyncRollout(RolloutController):
         batch = []
         for gid in sorted(groups):
             batch += self.finish_group(groups[gid])
+        # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
+        # ahead of the engine that generated the batch
+        current = ctx.engine.version if self.trainer_version is None else self.trainer_version
+        for e in batch:
+            e.staleness = current - min(e.token_versions(), default=e.policy_version)
         return batch

@@ -88,6 +88,7 @@ class SimEngine:
         self.now = 0.0
         self.version = 0
         self.max_concurrency = max_concurrency
+        self.concurrency = max_concurrency  # the Engine protocol's name (None: unbounded)
         self._running: dict[str, _Req] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._queue: list[_Req] = []
@@ -146,6 +147,7 @@ class SimEngine:
             start_version=self.version,
         )
         self.submitted += 1
+        fut.add_done_callback(lambda f, rid=req.rid: self._cancelled(rid) if f.cancelled() else None)
         if self.max_concurrency is None or len(self._running) < self.max_concurrency:
             self._start(req)
         else:
@@ -202,6 +204,14 @@ class SimEngine:
                 req.switches.append((self.now, version))
         self.version = version
         return 0.0
+
+    def _cancelled(self, rid: str) -> None:
+        """A request's future was cancelled (the controller gave up on it): free its slot now."""
+        self._account(self.now)
+        if self._running.pop(rid, None) is None:
+            self._queue = [r for r in self._queue if r.rid != rid]
+        while self._queue and (self.max_concurrency is None or len(self._running) < self.max_concurrency):
+            self._start(self._queue.pop(0))
 
     def advance_to(self, t: float) -> None:
         """Let virtual time pass (e.g. a training step), completing what finishes by ``t``."""

@@ -86,6 +86,7 @@ class Engine(Protocol):
     version: int  # label of the weights it serves (policy version)
     model_path: str  # what it serves (the trainer loads the same tokenizer)
     pinning: CorePinning  # keeps a trainer process off the engine's cores (a no-op on GPUs)
+    concurrency: int | None  # requests it runs at once (vLLM max_num_seqs); None: unbounded
 
     def start(self) -> Engine: ...
 

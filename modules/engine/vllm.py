@@ -83,7 +83,7 @@ class VLLMEngine:
         self.model_path = str(model_path)
         self.dtype = dtype
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = self.concurrency = max_num_seqs  # concurrency: the Engine protocol's name
         self.seed = seed
         self.cpu_cores = cpu_cores
         self.cpu_kvcache_gb = cpu_kvcache_gb

@@ -1,0 +1,119 @@
+"""Self-sizing streaming (``rollout.max_inflight=auto``) and cancelling doomed groups, on the
+simulator: the real controllers on a virtual clock."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+
+import pytest
+
+from benchmarks.pipeline import bounds, simulate
+from data.rollout.sizing import Sizing
+from modules.config import build
+from modules.config_errors import ConfigError
+from modules.engine.sim import SimEngine
+from modules.engine.types import SamplingConfig
+from tests.conftest import compose
+
+SEED = [(10, 0.9), (100, 0.1)]
+
+
+def streaming(*overrides: str):
+    cfg = compose(["rollout=streaming", "rollout.prompts_per_step=32", "rollout.group_size=1", *overrides])
+    return build(cfg.rollout)
+
+
+class Ctl:
+    def __init__(self, p=16, g=8, k=1, inflight="auto", buffer="auto"):
+        self.prompts_per_step, self.group_size, self.max_staleness = p, g, k
+        self.max_inflight, self.buffer_capacity = inflight, buffer
+
+
+def test_auto_sizing_follows_the_engine_and_the_batch():
+    s = Sizing.of(Ctl(p=16, g=8, k=1), concurrency=256)
+    assert s.inflight == 32  # 256 requests = 32 groups of 8
+    assert (s.low, s.outstanding, s.high) == (16, 32 + 16, 32 + 16 * 2)
+    s = Sizing.of(Ctl(p=16, g=8, k=3), concurrency=None)  # unbounded engine: what K lets train
+    assert s.inflight == 64
+    fixed = Sizing.of(Ctl(inflight=16, buffer=32), concurrency=256)
+    assert (fixed.inflight, fixed.outstanding, fixed.adaptive) == (16, 32, False)
+    fixed.after_take(waited=True, ready_left=0, batch=16)
+    assert fixed.outstanding == 32
+
+
+def test_rate_matching_moves_one_notch_each_way_within_bounds():
+    s = Sizing.of(Ctl(p=16, g=8), concurrency=256)
+    for _ in range(20):
+        s.after_take(waited=False, ready_left=16, batch=16)  # groups left over: less
+    assert s.outstanding == s.low == 16
+    s.after_take(waited=False, ready_left=3, batch=16)  # less than a notch left: hold
+    assert s.outstanding == s.low
+    for _ in range(20):
+        s.after_take(waited=True, ready_left=0, batch=16)  # the trainer waited: more
+    assert s.outstanding == s.high
+
+
+@pytest.mark.parametrize("bad", ["many", 0, -3])
+def test_bad_sizing_values_name_the_field(bad):
+    with pytest.raises(ConfigError, match="rollout.max_inflight"):
+        streaming(f"rollout.max_inflight={bad}")
+    with pytest.raises(ConfigError, match="rollout.buffer_capacity"):
+        streaming(f"rollout.buffer_capacity={bad}")
+
+
+def test_cancelled_request_frees_its_slot_at_once():
+    eng = SimEngine(max_concurrency=1)
+    samp = SamplingConfig(max_tokens=1000)
+    long = eng.submit([ord(c) for c in "100|"], samp)
+    short = eng.submit([ord(c) for c in "10|"], samp)  # queued behind the long one
+    eng.advance_to(5)
+    assert long.cancel()
+    eng.advance()
+    assert short.done() and eng.now == 15  # started at 5 when the slot freed, not at 100
+    assert not long.done() or long.cancelled()
+
+
+def run(ctl, latencies=SEED, steps=150, step_time=5.0, concurrency=64):
+    return simulate(ctl, latencies, steps=steps, step_time=step_time, concurrency=concurrency)
+
+
+def test_auto_reaches_the_pipeline_bound_where_fixed_defaults_do_not():
+    bound = bounds(SEED, 32, 64, 5.0)["pipeline_bound_samples_per_unit"]
+    fixed = run(streaming("rollout.max_staleness=20"))  # 16 in flight of 64 slots
+    auto = run(
+        streaming("rollout.max_staleness=20", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto")
+    )
+    assert fixed["samples_per_unit"] / bound < 0.3
+    assert auto["samples_per_unit"] / bound > 0.95
+    assert auto["dropped_groups"] == 0 and auto["staleness_mean"] <= 2.5
+
+
+def test_trainer_bound_workload_shrinks_what_is_in_flight():
+    # training takes 200 units per step, a batch generates in ~20: keep little in flight
+    ctl = streaming("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=4")
+    out = run(ctl, latencies=[(10, 1.0)], steps=40, step_time=200.0)
+    assert ctl._sizing.outstanding < ctl._sizing.low + ctl._sizing.notch
+    # the same ceilings held fixed keep everything full and train 4 versions behind
+    full = run(
+        streaming("rollout.max_inflight=64", "rollout.buffer_capacity=224", "rollout.max_staleness=4"),
+        latencies=[(10, 1.0)],
+        steps=40,
+        step_time=200.0,
+    )
+    assert out["staleness_mean"] < 1.5 < 3.0 < full["staleness_mean"]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_cancelling_doomed_groups_wastes_less_and_never_trains_past_k(k):
+    common = ("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", f"rollout.max_staleness={k}")
+    keep = run(streaming(*common, "rollout.cancel_doomed=false"))
+    ctl = streaming(*common, "rollout.cancel_doomed=true")
+    cancel = run(ctl)
+    assert ctl.counters["cancelled"] > 0
+    assert cancel["samples_per_unit"] > 1.1 * keep["samples_per_unit"]
+    assert max(int(s) for s in cancel["staleness_hist"]) <= k
+    # nothing the controller still tracks belongs to a cancelled group
+    assert all(not f.cancelled() for f in ctl._requests)
+    assert all(isinstance(f, cf.Future) for f in ctl._requests)
+    assert math.isfinite(cancel["staleness_mean"])
