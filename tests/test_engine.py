@@ -237,3 +237,23 @@ def test_score_accepts_a_sequence_as_long_as_the_context(engine, models):
     seq = [5 + (i % 20) for i in range(engine.max_model_len)]
     scores = engine.score(seq)
     assert len(scores) == engine.max_model_len - 2 and all(s <= 0 for s in scores)
+
+
+def test_cancelling_a_request_stops_its_generation(engine, models):
+    """``fut.cancel()`` is how streaming gives up on a group it would drop
+    (``rollout.cancel_doomed``): the coroutine is cancelled, vLLM aborts the request, its slot
+    is free at once, and the engine serves the next request normally."""
+    _, tok = load_policy(models["tied"])
+    prompt = tok("12%5=")["input_ids"]
+    long = engine.submit(prompt, SamplingConfig(max_tokens=300, ignore_eos=True), seed=3)
+    deadline = time.monotonic() + 30
+    while engine._busy.inflight == 0 and time.monotonic() < deadline:  # generating
+        time.sleep(0.01)
+    assert long.cancel()
+    deadline = time.monotonic() + 10
+    while engine._busy.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._busy.inflight == 0 and long.cancelled()
+    engine.check_health()
+    out = engine.wait_result(engine.submit(prompt, SamplingConfig(max_tokens=8), seed=4), timeout=60)
+    assert len(out.token_ids) > 0

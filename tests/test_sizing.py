@@ -117,3 +117,35 @@ def test_cancelling_doomed_groups_wastes_less_and_never_trains_past_k(k):
     assert all(not f.cancelled() for f in ctl._requests)
     assert all(isinstance(f, cf.Future) for f in ctl._requests)
     assert math.isfinite(cancel["staleness_mean"])
+
+
+def sync_run(schedule: str, concurrency: int = 8):
+    cfg = compose(
+        [
+            "rollout=sync",
+            "rollout.prompts_per_step=32",
+            "rollout.group_size=1",
+            f"rollout.schedule={schedule}",
+        ]
+    )
+    ctl = build(cfg.rollout)
+    return ctl, simulate(ctl, SEED, steps=60, step_time=5.0, concurrency=concurrency)
+
+
+def test_longest_first_shortens_the_barrier_when_the_batch_exceeds_concurrency():
+    _, fifo = sync_run("fifo")
+    ctl, lpt = sync_run("longest_first")
+    assert lpt["samples_per_unit"] > 1.15 * fifo["samples_per_unit"]
+    # the lower bound of an iteration: one long request (100) + the step (5)
+    assert lpt["samples_per_unit"] <= 32 / 105 + 1e-9
+    # nothing read the answer: the predictor learned lengths per level from what it saw
+    assert ctl.lengths.predict({"level": 1}) == pytest.approx(100)
+    assert ctl.lengths.predict({"level": 0}) == pytest.approx(10)
+
+
+def test_schedules_agree_when_everything_starts_at_once():
+    _, fifo = sync_run("fifo", concurrency=64)
+    _, lpt = sync_run("longest_first", concurrency=64)
+    assert lpt["samples_per_unit"] == pytest.approx(fifo["samples_per_unit"])
+    with pytest.raises(ConfigError, match="rollout.schedule"):
+        build(compose(["rollout=sync", "rollout.schedule=shortest"]).rollout)

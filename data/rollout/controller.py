@@ -184,20 +184,35 @@ class RolloutController:
         self.ctx = ctx
         self._start_rewards()
 
-    def submit_group(self, row: dict) -> dict[cf.Future, Pending]:
-        """Submit G independent requests for one prompt (distinct seeds) and return them."""
+    def plan_group(self, row: dict) -> list[Pending]:
+        """G independent requests for one prompt (distinct seeds), with the next group id."""
         ctx = self.ctx
         assert ctx is not None, "controller not bound to an engine"
         gid = self.next_group_id
         self.next_group_id += 1
         prompt_ids = ctx.tokenizer(ctx.task.prompt_text(row))["input_ids"]
+        return [
+            Pending(
+                row,
+                gid,
+                i,
+                (ctx.seed * 1_000_003 + gid * 1009 + i) % (2**31),
+                ctx.engine.version,
+                prompt_ids=list(prompt_ids),
+            )
+            for i in range(self.group_size)
+        ]
+
+    def submit_planned(self, group: list[Pending]) -> dict[cf.Future, Pending]:
         out = {}
-        for i in range(self.group_size):
-            seed = (ctx.seed * 1_000_003 + gid * 1009 + i) % (2**31)
-            p = Pending(row, gid, i, seed, ctx.engine.version, prompt_ids=list(prompt_ids))
+        for p in group:
             out[self.submit(p)] = p
-            self.bias.on_issue(row.get("level"))
+            self.bias.on_issue(p.row.get("level"))
         return out
+
+    def submit_group(self, row: dict) -> dict[cf.Future, Pending]:
+        """Submit G independent requests for one prompt (distinct seeds) and return them."""
+        return self.submit_planned(self.plan_group(row))
 
     def submit(self, p: Pending) -> cf.Future:
         """Send one (possibly continued) request to the engine."""

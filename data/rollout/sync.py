@@ -14,15 +14,30 @@ from collections import defaultdict
 
 from data.rollout.controller import RolloutController
 from data.rollout.experience import Experience
+from data.rollout.scheduling import SCHEDULES, LengthPredictor
+from modules.config_errors import check_choice
+from modules.engine.types import SamplingConfig
 
 
 class SyncRollout(RolloutController):
+    def __init__(
+        self, prompts_per_step: int, group_size: int, sampling: SamplingConfig, schedule: str = "fifo"
+    ) -> None:
+        super().__init__(prompts_per_step, group_size, sampling)
+        check_choice("rollout.schedule", schedule, SCHEDULES)
+        self.schedule = schedule
+        self.lengths = LengthPredictor()
+
     def next_batch(self) -> list[Experience]:
         ctx = self.ctx
         assert ctx is not None, "controller not bound to an engine"
+        plans = [self.plan_group(ctx.prompts.next()) for _ in range(self.prompts_per_step)]
+        if self.schedule == "longest_first":  # ids (seeds) as FIFO's; only the order changes
+            plans.sort(key=lambda group: -self.lengths.predict(group[0].row))
+        rows = {group[0].group_id: group[0].row for group in plans}
         inflight = {}
-        for _ in range(self.prompts_per_step):
-            inflight.update(self.submit_group(ctx.prompts.next()))
+        for group in plans:
+            inflight.update(self.submit_planned(group))
         groups: dict[int, list[Experience]] = defaultdict(list)
         pending = set(inflight)
         while pending:
@@ -33,6 +48,7 @@ class SyncRollout(RolloutController):
                 groups[p.group_id].append(self.to_experience(fut.result(), p))
         batch = []
         for gid in sorted(groups):
+            self.lengths.observe(rows[gid], [len(e.response_ids) for e in groups[gid]])
             batch += self.finish_group(groups[gid])
         # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
         # ahead of the engine that generated the batch
