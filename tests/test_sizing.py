@@ -149,3 +149,16 @@ def test_schedules_agree_when_everything_starts_at_once():
     assert lpt["samples_per_unit"] == pytest.approx(fifo["samples_per_unit"])
     with pytest.raises(ConfigError, match="rollout.schedule"):
         build(compose(["rollout=sync", "rollout.schedule=shortest"]).rollout)
+
+
+def test_planner_recommends_the_fastest_config_within_the_budget():
+    from benchmarks.plan import run as plan
+
+    result = plan("seed_workload", [], steps=30, seed=0, budget=1.0, max_level_kl=0.01)
+    rows = result["candidates"]
+    assert len(rows) >= 10 and {"sync", "partial alpha 2"} <= {r["candidate"] for r in rows}
+    best = result["recommended"]
+    assert best is not None and best["staleness_mean"] <= 1.0 and best["level_kl"] <= 0.01
+    within = [r for r in rows if r["staleness_mean"] <= 1.0 and r["level_kl"] <= 0.01]
+    assert best["samples_per_unit"] == max(r["samples_per_unit"] for r in within)
+    assert plan("seed_workload", [], steps=30, seed=0, budget=-1.0, max_level_kl=0.0)["recommended"] is None

@@ -1,0 +1,135 @@
+"""Planner: simulate candidate rollout configs on a workload and recommend one for a staleness
+budget, before spending accelerator hours on a sweep.
+
+    python -m benchmarks.plan                                   # the seeds' workload, budget 2
+    python -m benchmarks.plan sim=lognormal --budget 1 --max-level-kl 0.01
+    python -m benchmarks.plan sim=bimodal --steps 200 --json
+
+Each candidate (mode; staleness bound K; staleness policy; in-flight handling at a weight sync;
+over-provisioning for partial rollout; fixed or ``auto`` sizing; cancelling doomed groups) runs
+through ``benchmarks.pipeline.simulate``: the real rollout controllers on the simulator's
+virtual clock with the workload's latency mix, concurrency and step time (``conf/sim/``).
+Printed per candidate: trained samples per time unit and as a share of the pipeline bound,
+mean staleness, the share of issued groups dropped, and the level bias of what is trained
+(KL of trained vs issued difficulty levels: what dropping long groups costs). The
+recommendation is the fastest candidate whose mean staleness is within ``--budget`` and whose
+level KL is within ``--max-level-kl``.
+
+What it is not (yet): fitted to a finished real-engine run. The simulator's engine takes one
+time unit per token per request regardless of how many run at once (a GPU-like engine), which
+vLLM-CPU is not; its predictions are for the workload as described.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from benchmarks.pipeline import bounds, simulate
+from modules.config import build
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    overrides: tuple[str, ...]
+
+
+def candidates() -> list[Candidate]:
+    out = [
+        Candidate("sync", ("rollout=sync",)),
+        Candidate("sync, longest first", ("rollout=sync", "rollout.schedule=longest_first")),
+    ]
+    for alpha in (1.5, 2.0):
+        out.append(
+            Candidate(f"partial alpha {alpha:g}", ("rollout=partial", f"rollout.over_provision={alpha}"))
+        )
+    for k in (1, 2, 4, 8):
+        auto = (
+            "rollout=streaming",
+            "rollout.max_inflight=auto",
+            "rollout.buffer_capacity=auto",
+            f"rollout.max_staleness={k}",
+        )
+        out.append(Candidate(f"streaming K={k} drop", auto))
+        out.append(Candidate(f"streaming K={k} drop + cancel", (*auto, "rollout.cancel_doomed=true")))
+        out.append(Candidate(f"streaming K={k} admit", (*auto, "rollout/staleness=admit")))
+        out.append(Candidate(f"streaming K={k} abort in-flight", (*auto, "rollout.inflight=abort")))
+    return out
+
+
+def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_level_kl: float) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from modules.config import ROOT
+
+    rows = []
+    for c in candidates():
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = hydra_compose("pipeline", overrides=[f"sim={sim}", *c.overrides, *extra])
+        GlobalHydra.instance().clear()
+        ctl = build(cfg.rollout)
+        lat = [tuple(x) for x in cfg.sim.latencies]
+        out = simulate(ctl, lat, steps, cfg.sim.step_time, cfg.sim.concurrency, cfg.sim.num_prompts, seed)
+        batch = ctl.prompts_per_step * ctl.group_size
+        b = bounds(lat, batch, cfg.sim.concurrency or batch, cfg.sim.step_time)
+        trained = out["trained_samples"] / ctl.group_size
+        dropped = out["dropped_groups"]
+        rows.append(
+            {
+                "candidate": c.name,
+                "overrides": list(c.overrides),
+                "samples_per_unit": out["samples_per_unit"],
+                "of_pipeline_bound": out["samples_per_unit"] / b["pipeline_bound_samples_per_unit"],
+                "staleness_mean": out["staleness_mean"],
+                "drop_rate": dropped / (dropped + trained) if dropped + trained else 0.0,
+                "level_kl": out.get("bias/level_kl_trained_vs_issued", 0.0),
+                "trainer_idle_frac": out["trainer_idle_frac"],
+            }
+        )
+    ok = [r for r in rows if r["staleness_mean"] <= budget and r["level_kl"] <= max_level_kl]
+    best = max(ok, key=lambda r: r["samples_per_unit"]) if ok else None
+    return {
+        "sim": sim,
+        "budget": budget,
+        "max_level_kl": max_level_kl,
+        "candidates": rows,
+        "recommended": best,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="sim=<workload> and sim.* / rollout.* overrides")
+    parser.add_argument("--budget", type=float, default=2.0, help="mean staleness allowed (versions)")
+    parser.add_argument("--max-level-kl", type=float, default=0.01, help="level bias allowed (nats)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="only the JSON")
+    args = parser.parse_args()
+    sim = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("sim=")), "seed_workload")
+    extra = [o for o in args.overrides if not o.startswith("sim=")]
+    result = run(sim, extra, args.steps, args.seed, args.budget, args.max_level_kl)
+    if not args.json:
+        print(
+            f"{'candidate':34} {'samples/unit':>12} {'of bound':>8} {'staleness':>9} {'dropped':>7} {'level KL':>8}"
+        )
+        for r in sorted(result["candidates"], key=lambda r: -r["samples_per_unit"]):
+            print(
+                f"{r['candidate']:34} {r['samples_per_unit']:12.3f} {r['of_pipeline_bound']:8.2f} "
+                f"{r['staleness_mean']:9.2f} {r['drop_rate']:7.2f} {r['level_kl']:8.3f}"
+            )
+        rec = result["recommended"]
+        print(
+            "recommended:",
+            "none within the budget" if rec is None else f"{rec['candidate']}: {' '.join(rec['overrides'])}",
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
