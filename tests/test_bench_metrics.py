@@ -176,3 +176,34 @@ def test_ratio_interval_is_wider_than_the_plug_in_bootstrap_with_few_seeds():
     # symmetric on the log scale
     assert math.log(r["hi"] / r["value"]) == pytest.approx(math.log(r["value"] / r["lo"]))
     assert ratio_ci([1.0, 2.0], [0.0, 0.0])["value"] is None
+
+
+def test_modes_table_renders_a_row_per_recipe_with_intervals():
+    from benchmarks.modes_table import rows
+
+    def stat(m, lo=None, hi=None, std=0.0):
+        return {"mean": m, "lo": lo, "hi": hi, "std": std, "n": 5, "n_total": 5}
+
+    recipe = {
+        "samples_per_s": {"mean": 50.0},
+        "staleness_mean": {"mean": 0.85},
+        "dropped_groups": {"mean": 323.0},
+        "power": {
+            "final": {
+                "eval/sampled_reward_mean": stat(0.8, 0.79, 0.81),
+                "eval/sampled_reward_level0": stat(0.97),
+                "eval/sampled_reward_level2": stat(0.05),
+                "eval/reward_mean": stat(0.9),
+            },
+            "final_minus_reference": {"value": 0.05, "lo": 0.026, "hi": 0.074},
+            "train_wall_s": stat(151.0, std=12.0),
+            "time_to_90pct_gain_s": stat(104.0, 93.0, 114.0),
+            "time_ratio_to_reference": {"value": 0.48, "lo": 0.37, "hi": 0.63, "bootstrap": {"lo": 0.4, "hi": 0.57}},
+            "reward_at_equal_wall": {"0.5x_reference_wall": stat(0.747, 0.726, 0.767)},
+        },
+    }
+    table = rows({"recipes": {"async_grpo": recipe, "partial_grpo": {**recipe, "power": {}}}})
+    assert len(table) == 4 and table[0].count("|") == table[2].count("|")
+    assert "0.800 [0.790, 0.810]" in table[2] and "0.48 [0.37, 0.63] (0.40-0.57)" in table[2]
+    assert "104 [93, 114] (5/5)" in table[2] and "151 +- 12" in table[2] and "| 0.050 |" in table[2]
+    assert table[3].count(" - ") >= 5  # a recipe without a curve: dashes, not a crash
