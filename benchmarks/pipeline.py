@@ -47,7 +47,18 @@ def expected_max(latencies: list[tuple[float, float]], n: int) -> float:
     return out
 
 
-def bounds(latencies: list[tuple[float, float]], batch: int, concurrency: int, step_time: float) -> dict:
+def bounds(
+    latencies: list[tuple[float, float]],
+    batch: int,
+    concurrency: int,
+    step_time: float,
+    max_tokens: float | None = None,
+) -> dict:
+    """Analytical sync and pipeline bounds. A response stops at ``max_tokens`` (one time unit
+    per token), so latencies above it count as ``max_tokens``: without that clip a workload with
+    a tail beyond the cap would make "sync" beat its own bound."""
+    if max_tokens is not None:
+        latencies = [(min(v, max_tokens), p) for v, p in latencies]
     total = sum(p for _, p in latencies)
     mean_latency = sum(v * p for v, p in latencies) / total
     sync_iter = expected_max(latencies, batch) + step_time  # assumes concurrency >= batch
@@ -123,7 +134,7 @@ def main(cfg: DictConfig) -> float:
         sim.sync_every,
     )
     batch = controller.prompts_per_step * controller.group_size
-    b = bounds(latencies, batch, sim.concurrency or batch, sim.step_time)
+    b = bounds(latencies, batch, sim.concurrency or batch, sim.step_time, controller.sampling.max_tokens)
     result.update(
         {
             "mode": type(controller).__name__,

@@ -76,7 +76,7 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
         lat = [tuple(x) for x in cfg.sim.latencies]
         out = simulate(ctl, lat, steps, cfg.sim.step_time, cfg.sim.concurrency, cfg.sim.num_prompts, seed)
         batch = ctl.prompts_per_step * ctl.group_size
-        b = bounds(lat, batch, cfg.sim.concurrency or batch, cfg.sim.step_time)
+        b = bounds(lat, batch, cfg.sim.concurrency or batch, cfg.sim.step_time, ctl.sampling.max_tokens)
         trained = out["trained_samples"] / ctl.group_size
         dropped = out["dropped_groups"]
         rows.append(

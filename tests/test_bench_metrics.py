@@ -198,7 +198,12 @@ def test_modes_table_renders_a_row_per_recipe_with_intervals():
             "final_minus_reference": {"value": 0.05, "lo": 0.026, "hi": 0.074},
             "train_wall_s": stat(151.0, std=12.0),
             "time_to_90pct_gain_s": stat(104.0, 93.0, 114.0),
-            "time_ratio_to_reference": {"value": 0.48, "lo": 0.37, "hi": 0.63, "bootstrap": {"lo": 0.4, "hi": 0.57}},
+            "time_ratio_to_reference": {
+                "value": 0.48,
+                "lo": 0.37,
+                "hi": 0.63,
+                "bootstrap": {"lo": 0.4, "hi": 0.57},
+            },
             "reward_at_equal_wall": {"0.5x_reference_wall": stat(0.747, 0.726, 0.767)},
         },
     }

@@ -77,3 +77,15 @@ def test_cli_prints_json_with_bounds(tmp_path):
 
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["mode"] == "PartialRollout" and out["bounds"]["pipeline_bound_samples_per_unit"] > 0
+
+
+def test_bounds_clip_latencies_at_max_tokens():
+    # half the responses would run 1000 units but stop at max_tokens=100
+    lat = [(10, 0.5), (1000, 0.5)]
+    clipped = bounds(lat, 32, 64, 5.0, max_tokens=100)
+    assert clipped == bounds([(10, 0.5), (100, 0.5)], 32, 64, 5.0)
+    ctl = controller("sync", "rollout.sampling.max_tokens=100")
+    out = simulate(ctl, lat, steps=50, step_time=5.0, concurrency=64)
+    # sync cannot beat its bound once the bound knows about the cap
+    assert out["samples_per_unit"] <= clipped["sync_samples_per_unit"] * 1.02
+    assert out["samples_per_unit"] > 1.5 * bounds(lat, 32, 64, 5.0)["sync_samples_per_unit"]
