@@ -134,6 +134,12 @@ def test_delayed_sync_trains_at_exactly_k_versions_of_lag_under_the_monitor(tmp_
         assert float(r[f"rollout/staleness_frac_{k}"]) == 1.0  # the experiences' own staleness
         assert float(r["train/grad_norm"]) > 0
     assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows) < 1e-4
+    # the per-sample records say the same, sample by sample
+    recs = [json.loads(x) for x in (tmp_path / "experiences.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["staleness"], r["version"]) for r in recs} == {
+        (s, min(s, 2), s) for s in range(steps)
+    }
+    assert all(r["spans"][0][0] == max(r["step"] - 2, 0) and r["gen_end"] >= r["gen_start"] for r in recs)
     scores = [float(r["drift/score"]) for r in train_rows]
     # steps 0-1 ramp, 2-4 fit the baseline, then the score moves
     assert scores[:5] == [0.0] * 5 and all(math.isfinite(x) for x in scores) and any(scores[5:])

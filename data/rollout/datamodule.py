@@ -237,16 +237,24 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _audit(self, exps: list[Experience]) -> None:
         """Append the trained prompt ids to ``trained_prompts.jsonl`` in the run directory:
-        which prompts each policy version trained on (resume accounting, data audits)."""
+        which prompts each policy version trained on (resume accounting, data audits); and one
+        line per trained sample to ``experiences.jsonl`` (what offline analysis and
+        ``benchmarks.plan --run`` read: lengths, generation times, staleness, versions)."""
         trainer = self.trainer
         if trainer is None or trainer.global_rank != 0:
             return
+        version = self.rollout.trainer_version
+        version = self.engine.version if version is None else version
         ids = sorted({e.prompt_id for e in exps})
-        line = {"version": self.engine.version, "step": trainer.global_step, "prompt_ids": ids}
+        line = {"version": version, "step": trainer.global_step, "prompt_ids": ids}
         if self.world_size > 1:
             line["samples"] = [[e.group_id, e.sample_index] for e in exps]
-        with open(Path(trainer.default_root_dir) / "trained_prompts.jsonl", "a") as f:
+        run_dir = Path(trainer.default_root_dir)
+        with open(run_dir / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        with open(run_dir / "experiences.jsonl", "a") as f:
+            for e in exps:
+                f.write(json.dumps(experience_line(e, trainer.global_step, version)) + "\n")
 
     # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
@@ -326,3 +334,26 @@ def _world(trainer: Any) -> tuple[int, int]:
 def _as_is(item: Any) -> Any:
     """The DataLoader's collate: items are already collated minibatches."""
     return item
+
+
+def experience_line(e: Experience, step: int, version: int) -> dict[str, Any]:
+    """One trained sample's record without its tokens (``experiences.jsonl``)."""
+    return {
+        "step": step,
+        "version": version,
+        "group": e.group_id,
+        "sample": e.sample_index,
+        "prompt_id": e.prompt_id,
+        "level": e.difficulty,
+        "prompt_len": len(e.prompt_ids),
+        "len": len(e.response_ids),
+        "gen_start": e.gen_start,
+        "gen_end": e.gen_end,
+        "reward": e.reward,
+        "advantage": e.advantage,
+        "staleness": e.staleness,
+        "spans": e.version_spans,
+        "splits": e.splits,
+        "truncated": e.truncated,
+        "weight": e.weight,
+    }
