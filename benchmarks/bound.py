@@ -48,12 +48,18 @@ from omegaconf import DictConfig, OmegaConf
 from modules.config import compose
 
 
-def concurrency_groups(rollout: Any) -> int:
+def concurrency_groups(rollout: Any, engine_concurrency: int | None = None) -> int | str:
     """Groups the recipe keeps generating at once: streaming / partial ``max_inflight``
-    (partial: ceil(over_provision x P)), sync ``prompts_per_step``."""
+    (partial: ceil(over_provision x P); ``auto``: the engine's concurrency in groups, or the
+    string "auto" where no engine is known yet), sync ``prompts_per_step``."""
+    from data.rollout.sizing import Sizing
     from data.rollout.streaming import StreamingRollout
 
-    return rollout.max_inflight if isinstance(rollout, StreamingRollout) else rollout.prompts_per_step
+    if not isinstance(rollout, StreamingRollout):
+        return rollout.prompts_per_step
+    if rollout.max_inflight == "auto" and engine_concurrency is None:
+        return "auto"
+    return Sizing.of(rollout, engine_concurrency).inflight
 
 
 def bound_key(cfg: DictConfig) -> str:
@@ -95,7 +101,7 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
     engine = instantiate(cfg.engine)
     tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
     prompts = PromptStream(list(task.build("train", cfg.data.train_size)), seed=cfg.seed)
-    max_groups = concurrency_groups(controller)
+    max_groups = concurrency_groups(controller, engine.concurrency)
     g = controller.group_size
     engine.start()
     try:

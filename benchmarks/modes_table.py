@@ -25,6 +25,16 @@ def ci(d: dict | None, digits: int = 3) -> str:
     return f"{m:.{digits}f} [{d['lo']:.{digits}f}, {d['hi']:.{digits}f}]"
 
 
+def num(d: dict | None, digits: int = 3) -> str:
+    return "-" if not d or d.get("mean") is None else f"{d['mean']:.{digits}f}"
+
+
+def wall(d: dict | None) -> str:
+    if not d or d.get("mean") is None:
+        return "-"
+    return f"{d['mean']:.0f}" + ("" if d.get("std") is None else f" +- {d['std']:.0f}")
+
+
 def rows(result: dict) -> list[str]:
     levels = sorted(
         {
@@ -60,11 +70,9 @@ def rows(result: dict) -> list[str]:
             f"`{name}`",
             ci(final.get("eval/sampled_reward_mean")),
             ci(p.get("final_minus_reference")),
-            *[f"{final[k]['mean']:.3f}" if k in final else "-" for k in levels],
-            f"{final['eval/reward_mean']['mean']:.3f}" if "eval/reward_mean" in final else "-",
-            f"{p['train_wall_s']['mean']:.0f} +- {p['train_wall_s']['std']:.0f}"
-            if "train_wall_s" in p
-            else "-",
+            *[num(final.get(k)) for k in levels],
+            num(final.get("eval/reward_mean")),
+            wall(p.get("train_wall_s")),
             f"{ci(t90, 0)} ({t90.get('n', 0)}/{t90.get('n_total', 0)})" if t90 else "-",
             (
                 f"{ci(ratio, 2)} ({boot['lo']:.2f}-{boot['hi']:.2f})"
@@ -74,9 +82,9 @@ def rows(result: dict) -> list[str]:
             if ratio
             else "-",
             ci(half),
-            f"{r['samples_per_s']['mean']:.1f}",
-            f"{r['staleness_mean']['mean']:.2f}",
-            f"{r['dropped_groups']['mean']:.0f}",
+            num(r.get("samples_per_s"), 1),
+            num(r.get("staleness_mean"), 2),
+            num(r.get("dropped_groups"), 0),
         ]
         out.append("| " + " | ".join(cells) + " |")
     return out

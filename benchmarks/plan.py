@@ -74,7 +74,16 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
         GlobalHydra.instance().clear()
         ctl = build(cfg.rollout)
         lat = [tuple(x) for x in cfg.sim.latencies]
-        out = simulate(ctl, lat, steps, cfg.sim.step_time, cfg.sim.concurrency, cfg.sim.num_prompts, seed)
+        out = simulate(
+            ctl,
+            lat,
+            steps,
+            cfg.sim.step_time,
+            cfg.sim.concurrency,
+            cfg.sim.num_prompts,
+            seed,
+            cfg.sim.sync_every,
+        )
         batch = ctl.prompts_per_step * ctl.group_size
         b = bounds(lat, batch, cfg.sim.concurrency or batch, cfg.sim.step_time, ctl.sampling.max_tokens)
         trained = out["trained_samples"] / ctl.group_size

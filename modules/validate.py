@@ -20,9 +20,7 @@ INTS = (
     "trainer.max_steps",
     "rollout.prompts_per_step",
     "rollout.group_size",
-    "rollout.max_inflight",
     "rollout.max_staleness",
-    "rollout.buffer_capacity",
     "rollout.sampling.max_tokens",
     "rollout.sampling.top_k",
     "engine.max_model_len",
@@ -78,8 +76,26 @@ def _check_types(cfg: DictConfig) -> None:
                 check(field, value, is_ok(value), f"{what}, not {type(value).__name__}")
 
 
+# Fields that are an int or the string "auto" (sized from the engine: data/rollout/sizing.py).
+INTS_OR_AUTO = ("rollout.max_inflight", "rollout.buffer_capacity")
+
+
+def _check_int_or_auto(cfg: DictConfig) -> None:
+    for field in INTS_OR_AUTO:
+        value = OmegaConf.select(cfg, field, default=_ABSENT)
+        if value is _ABSENT or value is None or value == "auto":
+            continue
+        check(
+            field,
+            value,
+            isinstance(value, int) and not isinstance(value, bool),
+            f"an int or auto, not {type(value).__name__}",
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     _check_types(cfg)
+    _check_int_or_auto(cfg)
     trainer = cfg.get("trainer") or {}
     check(
         "trainer.max_steps",

@@ -207,8 +207,12 @@ def test_modes_table_renders_a_row_per_recipe_with_intervals():
             "reward_at_equal_wall": {"0.5x_reference_wall": stat(0.747, 0.726, 0.767)},
         },
     }
-    table = rows({"recipes": {"async_grpo": recipe, "partial_grpo": {**recipe, "power": {}}}})
-    assert len(table) == 4 and table[0].count("|") == table[2].count("|")
+    one_seed = {**recipe, "power": {**recipe["power"], "train_wall_s": {"mean": 150.0, "std": None}}}
+    table = rows(
+        {"recipes": {"async_grpo": recipe, "partial_grpo": {**recipe, "power": {}}, "one": one_seed}}
+    )
+    assert "| 150 |" in table[4]
+    assert len(table) == 5 and table[0].count("|") == table[2].count("|")
     assert "0.800 [0.790, 0.810]" in table[2] and "0.48 [0.37, 0.63] (0.40-0.57)" in table[2]
     assert "104 [93, 114] (5/5)" in table[2] and "151 +- 12" in table[2] and "| 0.050 |" in table[2]
     assert table[3].count(" - ") >= 5  # a recipe without a curve: dashes, not a crash

@@ -3,9 +3,6 @@ simulator: the real controllers on a virtual clock."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import math
-
 import pytest
 
 from benchmarks.pipeline import bounds, simulate
@@ -38,19 +35,19 @@ def test_auto_sizing_follows_the_engine_and_the_batch():
     assert s.inflight == 64
     fixed = Sizing.of(Ctl(inflight=16, buffer=32), concurrency=256)
     assert (fixed.inflight, fixed.outstanding, fixed.adaptive) == (16, 32, False)
-    fixed.after_take(waited=True, ready_left=0, batch=16)
+    fixed.after_take(waited=True, ready_left=0)
     assert fixed.outstanding == 32
 
 
 def test_rate_matching_moves_one_notch_each_way_within_bounds():
     s = Sizing.of(Ctl(p=16, g=8), concurrency=256)
     for _ in range(20):
-        s.after_take(waited=False, ready_left=16, batch=16)  # groups left over: less
+        s.after_take(waited=False, ready_left=16)  # groups left over: less
     assert s.outstanding == s.low == 16
-    s.after_take(waited=False, ready_left=3, batch=16)  # less than a notch left: hold
+    s.after_take(waited=False, ready_left=3)  # less than a notch left: hold
     assert s.outstanding == s.low
     for _ in range(20):
-        s.after_take(waited=True, ready_left=0, batch=16)  # the trainer waited: more
+        s.after_take(waited=True, ready_left=0)  # the trainer waited: more
     assert s.outstanding == s.high
 
 
@@ -71,7 +68,7 @@ def test_cancelled_request_frees_its_slot_at_once():
     assert long.cancel()
     eng.advance()
     assert short.done() and eng.now == 15  # started at 5 when the slot freed, not at 100
-    assert not long.done() or long.cancelled()
+    assert eng.slot_time == pytest.approx(5 + 10)  # the cancelled request held its slot 5 units
 
 
 def run(ctl, latencies=SEED, steps=150, step_time=5.0, concurrency=64):
@@ -105,18 +102,50 @@ def test_trainer_bound_workload_shrinks_what_is_in_flight():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_cancelling_doomed_groups_wastes_less_and_never_trains_past_k(k):
+def test_cancelling_doomed_groups_wastes_less_engine_time(k):
     common = ("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", f"rollout.max_staleness={k}")
     keep = run(streaming(*common, "rollout.cancel_doomed=false"))
     ctl = streaming(*common, "rollout.cancel_doomed=true")
     cancel = run(ctl)
-    assert ctl.counters["cancelled"] > 0
+    assert ctl.counters["cancelled"] > 0 and ctl.counters["cancelled"] <= ctl.counters["dropped"]
     assert cancel["samples_per_unit"] > 1.1 * keep["samples_per_unit"]
-    assert max(int(s) for s in cancel["staleness_hist"]) <= k
-    # nothing the controller still tracks belongs to a cancelled group
-    assert all(not f.cancelled() for f in ctl._requests)
-    assert all(isinstance(f, cf.Future) for f in ctl._requests)
-    assert math.isfinite(cancel["staleness_mean"])
+    assert cancel["staleness_max"] <= k
+
+
+def test_a_group_is_cancelled_only_once_it_cannot_be_trained():
+    from data.rollout.controller import RolloutContext
+    from data.rollout.prompts import PromptStream
+    from modules.advantages import GroupAdvantage
+    from modules.engine.sim import CharTokenizer, SimTask
+
+    ctl = streaming("rollout.max_staleness=1", "rollout.cancel_doomed=true", "rollout.max_inflight=4")
+    eng = SimEngine(max_concurrency=64)
+    task = SimTask([100] * 50)
+    ctl.bind(RolloutContext(eng, task, CharTokenizer(), PromptStream(task.rows, seed=0), GroupAdvantage()))
+    with ctl._cv:
+        ctl._top_up()  # 4 groups submitted at version 0
+        assert len(ctl._groups) == 4
+        ctl._cancel_doomed(2)  # K + 1 versions after submission: its first token may be newer
+        assert len(ctl._groups) == 4 and ctl.counters["cancelled"] == 0
+        ctl._cancel_doomed(3)  # K + 2: past the bound whenever it started within a version
+        assert not ctl._groups and not ctl._requests and ctl.counters["cancelled"] == 4
+    assert not eng._running  # every slot freed
+
+
+def test_moving_the_bound_resizes_what_may_be_outstanding():
+    ctl = streaming("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=1")
+    run(ctl, steps=5)
+    before = ctl._sizing.high
+    ctl.set_max_staleness(3)
+    assert ctl._sizing.high == before + 2 * 32 and ctl.max_staleness == 3
+
+
+def test_auto_passes_start_up_validation_and_bad_values_name_the_field():
+    from modules.validate import validate
+
+    validate(compose(["recipe=async_grpo", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto"]))
+    with pytest.raises(ConfigError, match="rollout.max_inflight"):
+        validate(compose(["recipe=async_grpo", "rollout.max_inflight=2.5"]))
 
 
 def sync_run(schedule: str, concurrency: int = 8):
@@ -161,4 +190,6 @@ def test_planner_recommends_the_fastest_config_within_the_budget():
     assert best is not None and best["staleness_mean"] <= 1.0 and best["level_kl"] <= 0.01
     within = [r for r in rows if r["staleness_mean"] <= 1.0 and r["level_kl"] <= 0.01]
     assert best["samples_per_unit"] == max(r["samples_per_unit"] for r in within)
-    assert plan("seed_workload", [], steps=30, seed=0, budget=-1.0, max_level_kl=0.0)["recommended"] is None
+    # a tighter budget can only pick something slower or equal
+    tight = plan("seed_workload", [], steps=30, seed=0, budget=0.5, max_level_kl=0.01)["recommended"]
+    assert tight is None or tight["samples_per_unit"] <= best["samples_per_unit"]

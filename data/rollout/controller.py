@@ -122,6 +122,10 @@ class RolloutController:
         # Held while a checkpoint snapshots the controller and the prompt cursor together.
         self.lock: AbstractContextManager = threading.RLock()
 
+    def set_max_staleness(self, value: int) -> None:
+        """Move the staleness bound at run time (``modules.controller``)."""
+        self.max_staleness = value
+
     def check_advantage(self, advantage: Any) -> None:
         """Raise ``ConfigError`` if this mode cannot use ``advantage`` (start-up check)."""
         check(

@@ -238,8 +238,8 @@ class RolloutDataModule(L.LightningDataModule):
     def _audit(self, exps: list[Experience]) -> None:
         """Append the trained prompt ids to ``trained_prompts.jsonl`` in the run directory:
         which prompts each policy version trained on (resume accounting, data audits); and one
-        line per trained sample to ``experiences.jsonl`` (what offline analysis and
-        ``benchmarks.plan --run`` read: lengths, generation times, staleness, versions)."""
+        line per trained sample to ``experiences.jsonl`` (for offline analysis: lengths,
+        generation times, staleness, versions, rewards)."""
         trainer = self.trainer
         if trainer is None or trainer.global_rank != 0:
             return
@@ -272,7 +272,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def set_staleness_bound(self, value: int) -> None:
         with self.rollout.lock:
-            self.rollout.max_staleness = value
+            self.rollout.set_max_staleness(value)
 
     def engine_stats(self) -> dict[str, float]:
         """Engine-side metrics since it started ({} where this rank has no engine)."""

@@ -45,6 +45,7 @@ class PartialRollout(StreamingRollout):
             buffer_capacity=n,
             inflight=inflight,
             wait_timeout_s=wait_timeout_s,
+            cancel_doomed=False,  # K is loose here (default unbounded): nothing is doomed
         )
         self._iteration_open = False
 

@@ -8,8 +8,9 @@ first), so the longest responses do not start last and stretch the barrier.
 The prediction never reads the answer: it is the mean response length this prompt's last
 group produced (prompts come round again each epoch), else the running mean of its difficulty
 level (``row["level"]``), else of everything seen so far. Groups keep the ids (and so the
-seeds) FIFO would give them: only the submission order changes, so both schedules sample the
-same responses and differ in time alone. With a batch no larger than the engine's concurrency
+seeds) FIFO would give them: only the submission order changes (on the simulator both
+schedules sample the same responses; on vLLM the batch a request shares can move its numerics
+slightly, as any change of concurrency does). With a batch no larger than the engine's concurrency
 the order does not matter (everything starts at once). The predictor is not checkpointed (a
 resumed run re-learns it within a batch).
 """

@@ -16,7 +16,8 @@ Rate matching (with ``max_inflight=auto``) moves the outstanding target between 
   outpaces training, one notch less. Groups started early would only wait in the buffer and
   grow stale (dropped, or trained further off-policy).
 
-It starts at engine concurrency + one batch. Integers for both fields keep the fixed
+It starts at engine concurrency + one batch and is not checkpointed (a resumed run starts
+there again). Integers for both fields keep the fixed
 behaviour (``buffer_capacity`` then bounds generating + ready groups, as before). The target is
 logged as ``rollout/outstanding_target``.
 """
@@ -51,9 +52,8 @@ class Sizing:
         start = min(high, inflight + p) if auto else high
         return cls(inflight, start, min(p, high), high, auto, max(1, math.ceil(p / 4)))
 
-    def after_take(self, waited: bool, ready_left: float, batch: int) -> None:
-        """Rate matching after the trainer took a batch of ``batch`` groups (``ready_left``:
-        groups still ready)."""
+    def after_take(self, waited: bool, ready_left: float) -> None:
+        """Rate matching after the trainer took a batch (``ready_left``: groups still ready)."""
         if not self.adaptive:
             return
         if waited:

@@ -51,16 +51,16 @@ class StreamingRollout(RolloutController):
         prompts_per_step: int,
         group_size: int,
         sampling: SamplingConfig,
-        max_inflight: int | str = "auto",
+        max_inflight: int | str = 32,
         max_staleness: int = 1,
         staleness: StalenessPolicy | None = None,
-        buffer_capacity: int | str = "auto",
+        buffer_capacity: int | str = 64,
         max_age_s: float | None = None,
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,
         selection: BatchSelection | None = None,
         reweight: bool = False,
-        cancel_doomed: bool = True,
+        cancel_doomed: bool = False,
     ) -> None:
         super().__init__(prompts_per_step, group_size, sampling)
         check(
@@ -152,6 +152,14 @@ class StreamingRollout(RolloutController):
         outstanding = len(self._groups) + len(self._buffer)
         return outstanding < slots * self.prompts_per_step
 
+    def set_max_staleness(self, value: int) -> None:
+        """A new bound resizes what may be outstanding (``P * (K + 1)`` of it is the bound's)."""
+        self.max_staleness = value
+        if self.ctx is not None:
+            outstanding = self._sizing.outstanding
+            self._sizing = Sizing.of(self, self.ctx.engine.concurrency)
+            self._sizing.outstanding = max(self._sizing.low, min(outstanding, self._sizing.high))
+
     def _target_inflight(self) -> int:
         return self._sizing.inflight
 
@@ -237,9 +245,7 @@ class StreamingRollout(RolloutController):
                     raise self._error
                 batch = self._take()
                 if batch is not None:
-                    self._sizing.after_take(
-                        waited, len(self._buffer) / self._units_per_group, self.prompts_per_step
-                    )
+                    self._sizing.after_take(waited, len(self._buffer) / self._units_per_group)
                     self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()
                     return batch
@@ -336,10 +342,16 @@ class StreamingRollout(RolloutController):
         return out
 
     def _cancel_doomed(self, version: int) -> None:
-        """Cancel groups still generating whose oldest token is already more than
-        ``max_staleness`` versions old: a dropping policy would discard them on arrival (their
-        staleness only grows), so what they would still generate is wasted engine time."""
-        doomed = {gid for gid, g in self._groups.items() if version - g.start_version > self.max_staleness}
+        """Cancel groups still generating that a dropping policy would discard on arrival: what
+        they would still generate is wasted engine time. A group's staleness counts from its
+        oldest *generated* token, which the controller only learns at completion; a request
+        starts at or after its submission (later when the engine queues it), so a group is
+        cancelled once its submission is more than ``max_staleness + 1`` versions old: exact
+        when requests start within one version of submission (no longer queue than that; auto
+        sizing keeps what is in flight within the engine's concurrency)."""
+        doomed = {
+            gid for gid, g in self._groups.items() if version - g.start_version > self.max_staleness + 1
+        }
         if not doomed:
             return
         for fut, p in list(self._requests.items()):

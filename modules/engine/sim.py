@@ -163,6 +163,7 @@ class SimEngine:
     def advance(self) -> None:
         """Move the clock to the next completion and resolve it (and any at the same time)."""
         self.check_health()
+        self._drop_stale()
         if not self._heap:
             raise RuntimeError("advance() with nothing in flight: the controller would wait forever")
         t = self._heap[0][0]
@@ -176,6 +177,11 @@ class SimEngine:
             self._finish(req, req.length, "length" if req.length else "stop")
         while self._queue and (self.max_concurrency is None or len(self._running) < self.max_concurrency):
             self._start(self._queue.pop(0))
+
+    def _drop_stale(self) -> None:
+        """Completions of requests that are gone (cancelled, aborted): nothing happens then."""
+        while self._heap and self._heap[0][2] not in self._running:
+            heapq.heappop(self._heap)
 
     def _finish(self, req: _Req, n: int, reason: str) -> None:
         spans, cursor, version = [], 0, req.start_version
@@ -215,8 +221,10 @@ class SimEngine:
 
     def advance_to(self, t: float) -> None:
         """Let virtual time pass (e.g. a training step), completing what finishes by ``t``."""
+        self._drop_stale()
         while self._heap and self._heap[0][0] <= t:
             self.advance()
+            self._drop_stale()
         self._account(max(self.now, t))
         self.now = max(self.now, t)
 
