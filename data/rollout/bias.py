@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
+from typing import Any
 
 from data.rollout.experience import Experience
 
@@ -115,3 +116,23 @@ class BiasTracker:
             if level is not None:
                 out[f"bias/trained_frac_level{level}"] = n / total
         return out
+
+
+def reweight_by_level(chosen: list[Any], trained_levels: dict, issued_levels: dict) -> None:
+    """Sampling-probability weighting against completion-time bias (``rollout.reweight``): a
+    group's weight is its level's share of issued samples over its level's share of everything
+    trained so far (this batch included; ``trained_levels`` is updated). Under-trained (slow)
+    levels get weight > 1 when they do arrive; averaged over the run the weights are 1, and the
+    weighted level mix of trained samples tracks the issued mix. Batch-to-batch loss scale
+    varies accordingly. ``chosen``: the batch's ready groups (``.level``, ``.exps``)."""
+    for r in chosen:
+        trained_levels[r.level] = trained_levels.get(r.level, 0) + len(r.exps)
+    issued = {lv: n for lv, n in issued_levels.items() if lv is not None}
+    total_issued, total_trained = sum(issued.values()), sum(trained_levels.values())
+    if not total_issued:
+        return
+    for r in chosen:
+        share_trained = trained_levels[r.level] / total_trained
+        w = (issued.get(r.level, 0) / total_issued) / share_trained
+        for e in r.exps:
+            e.weight *= w

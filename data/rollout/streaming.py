@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from data.rollout.bias import reweight_by_level
 from data.rollout.controller import Pending, RolloutContext, RolloutController
 from data.rollout.experience import Experience
 from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
@@ -110,14 +111,8 @@ class StreamingRollout(RolloutController):
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
-        self.counters = {
-            "dropped": 0,
-            "cancelled": 0,
-            "downweighted": 0,
-            "recomputed": 0,
-            "carried_over": 0,
-            "expired": 0,
-        }
+        counted = ("dropped", "cancelled", "downweighted", "recomputed", "carried_over", "expired")
+        self.counters = dict.fromkeys(counted, 0)
 
     def check_advantage(self, advantage: Any) -> None:
         check(
@@ -261,24 +256,6 @@ class StreamingRollout(RolloutController):
     def _start_iteration(self) -> None:
         """Hook for PartialRollout."""
 
-    def _reweight_by_level(self, chosen: list[Ready]) -> None:
-        """Sampling-probability weighting against completion-time bias: a group's weight is
-        its level's share of issued samples over its level's share of everything trained so
-        far (this batch included). Under-trained (slow) levels get weight > 1 when they do
-        arrive; averaged over the run the weights are 1, and the weighted level mix of trained
-        samples tracks the issued mix. Batch-to-batch loss scale varies accordingly."""
-        for r in chosen:
-            self._trained_levels[r.level] = self._trained_levels.get(r.level, 0) + len(r.exps)
-        issued = {lv: n for lv, n in self.bias.issued_levels.items() if lv is not None}
-        total_issued, total_trained = sum(issued.values()), sum(self._trained_levels.values())
-        if not total_issued:
-            return
-        for r in chosen:
-            share_trained = self._trained_levels[r.level] / total_trained
-            w = (issued.get(r.level, 0) / total_issued) / share_trained
-            for e in r.exps:
-                e.weight *= w
-
     def _take(self) -> list[Experience] | None:
         version = self.ctx.engine.version
         now = time.time()
@@ -332,7 +309,7 @@ class StreamingRollout(RolloutController):
                     self.counters["recomputed"] += 1
                 out.append(e)
         if self.reweight:
-            self._reweight_by_level(chosen)
+            reweight_by_level(chosen, self._trained_levels, self.bias.issued_levels)
         self.stats = {
             "rollout/buffer_size": float(len(self._buffer)),
             "rollout/inflight": float(len(self._groups)),
@@ -342,16 +319,12 @@ class StreamingRollout(RolloutController):
         return out
 
     def _cancel_doomed(self, version: int) -> None:
-        """Cancel groups still generating that a dropping policy would discard on arrival: what
-        they would still generate is wasted engine time. A group's staleness counts from its
-        oldest *generated* token, which the controller only learns at completion; a request
-        starts at or after its submission (later when the engine queues it), so a group is
-        cancelled once its submission is more than ``max_staleness + 1`` versions old: exact
-        when requests start within one version of submission (no longer queue than that; auto
-        sizing keeps what is in flight within the engine's concurrency)."""
-        doomed = {
-            gid for gid, g in self._groups.items() if version - g.start_version > self.max_staleness + 1
-        }
+        """Cancel generating groups a dropping policy will discard on arrival. Staleness counts
+        from the oldest *generated* token, known only at completion; a request starts at or
+        after its submission, so a group is doomed once its submission is more than K + 1
+        versions old (exact while requests start within a version: no long engine queue)."""
+        k = self.max_staleness + 1
+        doomed = {gid for gid, g in self._groups.items() if version - g.start_version > k}
         if not doomed:
             return
         for fut, p in list(self._requests.items()):
