@@ -193,6 +193,11 @@ def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, s
     return bounds, bound_of, runs
 
 
+def run_dir_name(spec: str) -> str:
+    """A recipe spec as a directory name Hydra accepts in ``hydra.run.dir`` (no ``=`` / ``,``)."""
+    return spec.replace(":", "+").replace("=", "-").replace(",", "+")
+
+
 def split_spec(spec: str) -> tuple[str, list[str]]:
     """'async_grpo:rollout/selection=stratified,x=1' -> ('async_grpo', ['rollout/selection=stratified', 'x=1'])."""
     recipe, _, extra = spec.partition(":")
@@ -304,7 +309,7 @@ def run_recipe(
             injected.append("~callbacks.eval")
     per_seed = []
     for seed in seeds:
-        run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
+        run_dir = out / run_dir_name(spec) / f"seed{seed}"
         t0 = time.time()
         cmd = train_command(recipe, seed, run_dir, injected, overrides)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
