@@ -35,7 +35,7 @@ import math
 import statistics
 from pathlib import Path
 
-from benchmarks.modes import read_metrics, run_recipe
+from benchmarks.modes import read_metrics, run_dir_name, run_recipe
 from modules.drift import DriftDetector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
     for spec in specs:
         runs = []
         for seed in seeds:
-            run_dir = out / spec.replace(":", "+").replace("=", "-") / f"seed{seed}"
+            run_dir = out / run_dir_name(spec) / f"seed{seed}"
             if not (run_dir / "metrics.csv").exists():
                 continue
             outcome = analyze_run(run_dir, start_reward(out), drop, detector, lag_of(spec))
