@@ -216,3 +216,10 @@ def test_modes_table_renders_a_row_per_recipe_with_intervals():
     assert "0.800 [0.790, 0.810]" in table[2] and "0.48 [0.37, 0.63] (0.40-0.57)" in table[2]
     assert "104 [93, 114] (5/5)" in table[2] and "151 +- 12" in table[2] and "| 0.050 |" in table[2]
     assert table[3].count(" - ") >= 5  # a recipe without a curve: dashes, not a crash
+
+
+def test_run_dir_names_are_safe_in_hydra_overrides():
+    from benchmarks.modes import run_dir_name
+
+    name = run_dir_name("async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis")
+    assert "=" not in name and "," not in name and name.startswith("async_grpo+")
