@@ -29,6 +29,7 @@ VARIANTS = [
         for p in (ROOT / "conf/rollout/staleness").glob("*.yaml")
     ],
     ["algo/advantage=running"],
+    ["callbacks/drift=controller"],
     *[[f"module/forward={p.stem}"] for p in sorted((ROOT / "conf/module/forward").glob("*.yaml"))],
     ["engine=vllm_gpu"],
     ["recipe=sft_warmup"],
