@@ -106,7 +106,8 @@ class WeightSync(L.Callback):
         weights = pl_module.weights_for_engine()
         served, served_version = (weights, version) if flush else self._delayed(weights, version)
         if served is not weights and served_version == self.served_version:
-            return  # a delayed sync whose served version did not move: the engine has it
+            pl_module.last_weight_sync_s = 0.0  # a delayed sync whose served version did not
+            return  # move: the engine has it already
         self.served_version = served_version
         pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(served, served_version)
         if self.verify and self.last_probe:
