@@ -142,7 +142,9 @@ def test_delayed_sync_trains_at_exactly_k_versions_of_lag_under_the_monitor(tmp_
     assert all(r["spans"][0][0] == max(r["step"] - 2, 0) and r["gen_end"] >= r["gen_start"] for r in recs)
     scores = [float(r["drift/score"]) for r in train_rows]
     # steps 0-1 ramp, 2-4 fit the baseline, then the score moves
-    assert scores[:5] == [0.0] * 5 and all(math.isfinite(x) for x in scores) and any(scores[5:])
+    assert scores[:5] == [0.0] * 5 and all(math.isfinite(x) for x in scores)
+    z_grad = [float(r.get("drift/z/train/grad_norm") or 0.0) for r in train_rows]
+    assert not any(z_grad[:5]) and any(z_grad[5:])  # scored once the baseline is fitted
     summary = json.loads((tmp_path / "eval_summary.json").read_text())
     # evaluations are labelled with the version the engine served; the last one is after the flush
     assert [h["policy_version"] for h in summary["history"]] == [0, 2, 4, 6, steps]
