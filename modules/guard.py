@@ -25,6 +25,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -35,8 +36,31 @@ EXIT_CTRL_C = 130  # 128 + SIGINT
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 
 
+def _record_ctrl_c(received: list[int]) -> Any:
+    """Note a Ctrl-C in ``received`` (then behave as before), so that an error that wins the
+    race against the ``KeyboardInterrupt`` (the engine core, in the same process group, dying
+    of the same SIGINT first) still exits 130. Returns the handler to restore."""
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    prev = signal.getsignal(signal.SIGINT)
+    if prev in (signal.SIG_IGN, None):
+        return None
+
+    def handler(signum: int, frame: Any) -> Any:
+        received.append(signum)
+        if callable(prev):
+            return prev(signum, frame)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    return prev
+
+
 @contextmanager
 def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
+    received: list[int] = []
+    prev = _record_ctrl_c(received)
     try:
         yield
     except SystemExit as e:
@@ -45,6 +69,8 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
     except BaseException as e:
         stop_other_ranks(trainer)
         code = interrupt_code(e)
+        if code is None and received:
+            code = EXIT_CTRL_C  # Ctrl-C came first; the error is its echo (a dead engine)
         if code is None:
             raise
         # The interrupt came first; shutting down after it failed too (e.g. Ctrl-C reached the
@@ -52,6 +78,8 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
         log.error("interrupted (exit %d); shutting down also raised %r", code, e, exc_info=e)
         raise SystemExit(code if trainer.global_rank == 0 else 0) from None
     finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
         datamodule.teardown("fit")  # a no-op when Lightning already tore it down
     release_freed_memory()
     log.info("process after job: %s", process_footprint())
