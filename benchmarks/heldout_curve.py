@@ -85,10 +85,9 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
 
     cfg = compose_config(run_overrides(run_dir), output_dir=str(run_dir))
     torch.set_num_threads(cfg.torch_threads)
-    from modules.callbacks import VERIFY_TOLERANCE
+    from modules.callbacks import verify_tolerance
 
-    tol = cfg.callbacks.weight_sync.tolerance  # null: by engine dtype, as WeightSync resolves it
-    tolerance = float(tol if tol is not None else VERIFY_TOLERANCE[cfg.engine.dtype])
+    tolerance = verify_tolerance(cfg.callbacks.weight_sync.tolerance, cfg.engine.dtype)
     logged = wall_at_steps(run_dir)
     ckpts = step_checkpoints(run_dir)
     dm = instantiate(cfg.data)

@@ -44,6 +44,11 @@ class WeightSyncError(RuntimeError):
 VERIFY_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.1}
 
 
+def verify_tolerance(tolerance: float | None, engine_dtype: str) -> float:
+    """The configured tolerance, or the engine dtype's default when it is null."""
+    return VERIFY_TOLERANCE[engine_dtype] if tolerance is None else float(tolerance)
+
+
 class WeightSync(L.Callback):
     """Push the policy to the engine after the last minibatch of each rollout batch.
 
@@ -75,7 +80,7 @@ class WeightSync(L.Callback):
             f"{', '.join(VERIFY_TOLERANCE)})",
         )
         self.verify = verify
-        self.tolerance = VERIFY_TOLERANCE[engine_dtype] if tolerance is None else tolerance
+        self.tolerance = verify_tolerance(tolerance, engine_dtype)
         self.lag = lag
         self.last_probe: list[int] | None = None
         # (version, CPU weights) of the last lag + 1 versions; the oldest is what the engine serves
