@@ -81,10 +81,19 @@ def simulate(
     num_prompts: int = 20000,
     seed: int = 0,
     sync_every: int = 1,
+    engine: SimEngine | None = None,
+    task: SimTask | None = None,
+    contention: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, Any]:
-    """Run ``steps`` trainer updates of ``controller`` on a SimEngine; return the figures."""
-    engine = SimEngine(max_concurrency=concurrency)
-    task = SimTask.mixture(latencies, num_prompts, seed)
+    """Run ``steps`` trainer updates of ``controller`` on a SimEngine; return the figures.
+    ``engine`` / ``task`` replace the default ones (one unit per token; ``latencies``), e.g.
+    with a workload fitted to a real run (``benchmarks/workload.py``). ``contention=(e, t)``:
+    engine and trainer share a machine; while the trainer steps, a decoding iteration costs
+    1 + e times as much, and a step that starts while requests generate takes 1 + t times as
+    long (0, 0: separate devices)."""
+    engine = engine or SimEngine(max_concurrency=concurrency)
+    concurrency = engine.max_concurrency
+    task = task or SimTask.mixture(latencies, num_prompts, seed)
     controller.bind(
         RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=seed), GroupAdvantage())
     )
@@ -101,7 +110,11 @@ def simulate(
         staleness.update(min(e.staleness, 5) for e in batch)
         stale_sum += sum(e.staleness for e in batch)
         stale_max = max([stale_max, *(e.staleness for e in batch)])
-        engine.advance_to(engine.now + step_time)  # the update; generation goes on meanwhile
+        slow_e, slow_t = contention
+        engine.slowdown = 1.0 + slow_e
+        busy = step_time * (1.0 + slow_t * engine.busy)
+        engine.advance_to(engine.now + busy)  # the update; generation goes on meanwhile
+        engine.slowdown = 1.0
         if (step + 1) % sync_every == 0:
             engine.update_weights({}, engine.version + 1, inflight=controller.inflight)
     total = engine.now

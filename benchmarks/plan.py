@@ -15,19 +15,34 @@ mean staleness, the share of issued groups dropped, and the level bias of what i
 recommendation is the fastest candidate whose mean staleness is within ``--budget`` and whose
 level KL is within ``--max-level-kl``.
 
-What it is not (yet): fitted to a finished real-engine run. The simulator's engine takes one
-time unit per token per request regardless of how many run at once (a GPU-like engine), which
-vLLM-CPU is not; its predictions are for the workload as described.
+From finished runs (``--from-run RUN [RUN ...]``, pooled; a sync and an async run together
+also fit how much generation and training slow each other on a shared machine): the workload, engine and trainer are fitted to the
+run's own records (``benchmarks/workload.py``: its groups' lengths, a decoding iteration cost
+``a + b * running`` and a prefill delay, the trainer's busy time per step), the candidates
+keep the run's task, model and batch, and the figures are in samples per second.
+``--validate RUN...`` predicts each run's own config on that fitted workload and prints it next
+to the run's measured samples/s (runs that differ only in seed are averaged).
+
+    python -m benchmarks.plan --from-run outputs/sync_grpo/<time> --budget 1
+    python -m benchmarks.plan --from-run SYNC_RUN ASYNC_RUN --validate outputs/bench/modes5/*/seed*
+
+Without ``--from-run`` the simulator's engine takes one time unit per token per request however
+many run at once (a GPU-like engine); its predictions are for the workload as described.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.pipeline import bounds, simulate
+from benchmarks.workload import Workload, fit, measured_samples_per_s, read_overrides
 from modules.config import build
+from modules.engine.sim import SimEngine, SimTask
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,108 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
     }
 
 
+def compose_train(overrides: list[str]):
+    """The training config (``conf/train.yaml``) with these overrides, as train.py composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from modules.config import ROOT
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides)
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | None = None) -> dict:
+    """Simulate the training config ``overrides`` on a fitted workload (times in seconds)."""
+    cfg = compose_train(overrides)
+    ctl = build(cfg.rollout)
+    engine = SimEngine(
+        max_concurrency=cfg.engine.get("max_num_seqs"),
+        step_cost=work.step_cost,
+        prefill_iterations=work.prefill_iterations,
+    )
+    return simulate(
+        ctl,
+        [],
+        steps or int(cfg.trainer.max_steps),
+        work.step_time,
+        None,
+        seed=seed,
+        engine=engine,
+        task=SimTask.from_groups(work.groups),
+        contention=work.contention,
+    )
+
+
+def _without_seed(overrides: list[str]) -> tuple[str, ...]:
+    return tuple(o for o in overrides if not re.match(r"^seed=", o))
+
+
+def validate(work: Workload, runs: list[Path]) -> list[dict]:
+    """Predicted vs measured samples/s for each config among ``runs`` (seeds pooled)."""
+    by_config: dict[tuple[str, ...], list[Path]] = {}
+    for run in runs:
+        by_config.setdefault(_without_seed(read_overrides(run)), []).append(run)
+    rows = []
+    for overrides, group in by_config.items():
+        measured = [measured_samples_per_s(r) for r in group]
+        sims = [predict(work, list(overrides), seed=s)["samples_per_unit"] for s in range(3)]
+        pred = statistics.fmean(sims)
+        mean = statistics.fmean(measured)
+        rows.append(
+            {
+                "config": " ".join(o for o in overrides if o.startswith(("recipe=", "rollout"))),
+                "runs": len(group),
+                "measured_samples_per_s": mean,
+                "measured_sd": statistics.stdev(measured) if len(measured) > 1 else 0.0,
+                "predicted_samples_per_s": pred,
+                "error": pred / mean - 1,
+            }
+        )
+    return rows
+
+
+def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_level_kl: float) -> dict:
+    """The candidates on a run's fitted workload: its task/model/engine, other rollout configs."""
+    keep = [
+        o
+        for o in work.overrides
+        if o.split("=", 1)[0] in ("task", "model", "engine")
+        or o.startswith(("task.", "model.", "engine.", "data."))
+    ]
+    rows = []
+    for c in candidates():
+        out = predict(work, ["recipe=sync_grpo", *keep, *c.overrides], seed, steps)
+        trained = out["trained_samples"]
+        dropped = out["dropped_groups"]
+        group = max(1, len(work.groups[0][1]))
+        rows.append(
+            {
+                "candidate": c.name,
+                "overrides": list(c.overrides),
+                "samples_per_unit": out["samples_per_unit"],
+                "of_pipeline_bound": float("nan"),
+                "staleness_mean": out["staleness_mean"],
+                "drop_rate": dropped / (dropped + trained / group) if dropped + trained else 0.0,
+                "level_kl": out.get("bias/level_kl_trained_vs_issued", 0.0),
+                "trainer_idle_frac": out["trainer_idle_frac"],
+            }
+        )
+    ok = [r for r in rows if r["staleness_mean"] <= budget and r["level_kl"] <= max_level_kl]
+    best = max(ok, key=lambda r: r["samples_per_unit"]) if ok else None
+    return {
+        "workload": work.summary(),
+        "budget": budget,
+        "max_level_kl": max_level_kl,
+        "candidates": rows,
+        "recommended": best,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="sim=<workload> and sim.* / rollout.* overrides")
@@ -119,10 +236,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="only the JSON")
+    parser.add_argument("--from-run", type=Path, nargs="+", help="fit the workload to these finished runs")
+    parser.add_argument("--validate", type=Path, nargs="+", help="runs to predict (with --from-run)")
     args = parser.parse_args()
-    sim = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("sim=")), "seed_workload")
-    extra = [o for o in args.overrides if not o.startswith("sim=")]
-    result = run(sim, extra, args.steps, args.seed, args.budget, args.max_level_kl)
+    if args.validate and not args.from_run:
+        parser.error("--validate needs --from-run (the run whose workload is fitted)")
+    if args.from_run:
+        work = fit(args.from_run)
+        if args.validate:
+            rows = validate(work, args.validate)
+            for r in rows:
+                print(
+                    f"{r['config']:70} measured {r['measured_samples_per_s']:6.1f} +- {r['measured_sd']:4.1f} "
+                    f"(n={r['runs']}) predicted {r['predicted_samples_per_s']:6.1f} ({r['error']:+.0%})"
+                )
+            print(json.dumps({"workload": work.summary(), "validation": rows}))
+            return
+        result = plan_from_run(work, args.steps, args.seed, args.budget, args.max_level_kl)
+    else:
+        sim = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("sim=")), "seed_workload")
+        extra = [o for o in args.overrides if not o.startswith("sim=")]
+        result = run(sim, extra, args.steps, args.seed, args.budget, args.max_level_kl)
     if not args.json:
         print(
             f"{'candidate':34} {'samples/unit':>12} {'of bound':>8} {'staleness':>9} {'dropped':>7} {'level KL':>8}"

@@ -2,10 +2,20 @@
 (``benchmarks/pipeline.py``), the overhead benchmark and the rollout-semantics tests. Never
 the training path.
 
-Each request generates one token per time unit; its length (= latency) is read from the
-prompt, ``"<length>|"`` in the fake tokenizer's encoding, minus any partial response already
-appended (a continuation). ``advance()`` jumps the clock to the next completion and resolves
-its future, which fires the rollout controller's callbacks synchronously. Weight updates with
+By default each request generates one token per time unit however many run (a GPU-like engine).
+``step_cost=(a, b)`` makes one decoding iteration over n running requests take ``a + b * n``
+units (every running request gains one token per iteration: a batched decoder whose iteration
+slows with the batch, as vLLM-CPU's does), and ``prefill_iterations`` delays each request's
+first token by that many iterations (prefill, scheduling); ``benchmarks/workload.py`` fits all
+three to a finished run. The clock is
+kept as a token clock (iterations since start): every running request advances at the same rate,
+so completion order is fixed at submission and the wall time follows from the iteration cost.
+
+A request's length is read from the prompt, ``"<length>|"`` in the fake tokenizer's encoding
+(or ``"<l0>,<l1>,...|"``: sample i of a group, from its request id ``g<gid>-s<i>``, takes
+``l_i``), minus any partial response already appended (a continuation). ``advance()`` jumps the
+clock to the next completion and resolves its future, which fires the rollout controller's
+callbacks synchronously. Weight updates with
 ``inflight=keep`` split version spans at the update time; ``abort`` ends running requests
 with their partial tokens; ``wait`` finishes them first.
 """
@@ -40,8 +50,17 @@ class SimTask:
         classes = rng.choices(range(len(latencies)), weights=[p for _, p in latencies], k=n)
         return cls([int(latencies[c][0]) for c in classes], classes)
 
+    @classmethod
+    def from_groups(cls, groups: list[tuple[int, list[int]]]) -> SimTask:
+        """One prompt per recorded group: (level, its G response lengths); sample i of a
+        resubmitted group takes the i-th length again (a run's own workload, replayed)."""
+        task = cls([], [])
+        task.rows = [{"id": i, "length": list(ls), "level": lv} for i, (lv, ls) in enumerate(groups)]
+        return task
+
     def prompt_text(self, row: dict) -> str:
-        return f"{row['length']}|"
+        n = row["length"]
+        return (",".join(str(x) for x in n) if isinstance(n, list) else str(n)) + "|"
 
     def reward(self, row: dict, text: str) -> float:
         if self.fail:
@@ -72,8 +91,9 @@ class _Req:
     prompt: list[int]
     length: int  # tokens this request will produce if not interrupted
     start: float
-    switches: list[tuple[float, int]] = field(default_factory=list)  # (time, new version)
+    switches: list[tuple[float, int]] = field(default_factory=list)  # (token clock, new version)
     start_version: int = 0
+    tick0: float = 0.0  # the token clock when its first token started (after the prefill)
 
 
 class SimEngine:
@@ -83,9 +103,21 @@ class SimEngine:
     model_path = "sim"
     pinning = CorePinning(None)
 
-    def __init__(self, max_concurrency: int | None = None, jitter: int = 0) -> None:
+    def __init__(
+        self,
+        max_concurrency: int | None = None,
+        jitter: int = 0,
+        step_cost: tuple[float, float] = (1.0, 0.0),
+        prefill_iterations: float = 0.0,
+    ) -> None:
+        if step_cost[0] <= 0 or step_cost[1] < 0 or prefill_iterations < 0:
+            raise ValueError(f"SimEngine: step_cost {step_cost} needs a > 0, b >= 0; prefill_iterations >= 0")
         self.jitter = jitter  # response length += hash(seed) % (jitter + 1): responses of a prompt differ
+        self.step_cost = (float(step_cost[0]), float(step_cost[1]))
+        self.prefill_iterations = float(prefill_iterations)
+        self.slowdown = 1.0  # iteration cost multiplier (a trainer sharing the machine sets it)
         self.now = 0.0
+        self.tick = 0.0  # token clock: decoding iterations so far
         self.version = 0
         self.max_concurrency = max_concurrency
         self.concurrency = max_concurrency  # the Engine protocol's name (None: unbounded)
@@ -133,7 +165,8 @@ class SimEngine:
         self.check_health()
         fut: cf.Future = cf.Future()
         cut = prompt_ids.index(SEP)
-        total = int("".join(chr(c) for c in prompt_ids[:cut]))
+        lengths = [int(x) for x in "".join(chr(c) for c in prompt_ids[:cut]).split(",")]
+        total = lengths[_sample_index(request_id) % len(lengths)]
         done = len(prompt_ids) - cut - 1  # continuation: tokens already generated
         if self.jitter and seed is not None and done == 0:
             total += (seed * 2654435761) % (self.jitter + 1)  # scrambled: siblings differ
@@ -157,8 +190,33 @@ class SimEngine:
     def _start(self, req: _Req) -> None:
         req.start = self.now
         req.start_version = self.version  # tokens are labelled by the weights that make them
+        req.tick0 = self.tick + self.prefill_iterations
         self._running[req.rid] = req
-        heapq.heappush(self._heap, (self.now + req.length, next(self._seq), req.rid))
+        heapq.heappush(self._heap, (req.tick0 + req.length, next(self._seq), req.rid))
+
+    def _iteration(self, extra: int = 0) -> float:
+        """Time units one decoding iteration takes with the running requests (+ extra)."""
+        a, b = self.step_cost
+        return (a + b * (len(self._running) + extra)) * self.slowdown
+
+    @property
+    def busy(self) -> bool:
+        """Some request is generating."""
+        return bool(self._running)
+
+    def _tokens(self, req: _Req) -> int:
+        """Tokens a running request has produced by now."""
+        return max(0, min(req.length, int(self.tick - req.tick0 + 1e-9)))
+
+    def _time_to(self, tick: float) -> float:
+        return max(0.0, tick - self.tick) * self._iteration()
+
+    def _pass(self, t: float) -> None:
+        """Move both clocks to time t (no completion in between)."""
+        if t > self.now:
+            self._account(t)
+            self.tick += (t - self.now) / self._iteration()
+            self.now = t
 
     def advance(self) -> None:
         """Move the clock to the next completion and resolve it (and any at the same time)."""
@@ -166,14 +224,15 @@ class SimEngine:
         self._drop_stale()
         if not self._heap:
             raise RuntimeError("advance() with nothing in flight: the controller would wait forever")
-        t = self._heap[0][0]
+        tick = self._heap[0][0]
+        t = self.now + self._time_to(tick)
         self._account(t)
-        while self._heap and self._heap[0][0] == t:
+        self.now, self.tick = t, max(self.tick, tick)
+        while self._heap and self._heap[0][0] <= tick:
             _, _, rid = heapq.heappop(self._heap)
             req = self._running.pop(rid, None)
             if req is None:
                 continue  # aborted earlier
-            self.now = t
             self._finish(req, req.length, "length" if req.length else "stop")
         while self._queue and (self.max_concurrency is None or len(self._running) < self.max_concurrency):
             self._start(self._queue.pop(0))
@@ -185,8 +244,8 @@ class SimEngine:
 
     def _finish(self, req: _Req, n: int, reason: str) -> None:
         spans, cursor, version = [], 0, req.start_version
-        for t, v in req.switches:
-            k = min(n, int(t - req.start))
+        for tick, v in req.switches:
+            k = min(n, max(0, int(tick - req.tick0 + 1e-9)))
             if k > cursor:
                 spans.append((version, cursor, k))
             cursor, version = max(cursor, k), v
@@ -204,10 +263,10 @@ class SimEngine:
             self.version = version  # continuations resubmitted now run with the new weights
             for rid, req in list(self._running.items()):
                 del self._running[rid]
-                self._finish(req, int(self.now - req.start), "abort")
+                self._finish(req, self._tokens(req), "abort")
         else:
             for req in self._running.values():
-                req.switches.append((self.now, version))
+                req.switches.append((self.tick, version))
         self.version = version
         return 0.0
 
@@ -222,11 +281,10 @@ class SimEngine:
     def advance_to(self, t: float) -> None:
         """Let virtual time pass (e.g. a training step), completing what finishes by ``t``."""
         self._drop_stale()
-        while self._heap and self._heap[0][0] <= t:
+        while self._heap and self.now + self._time_to(self._heap[0][0]) <= t:
             self.advance()
             self._drop_stale()
-        self._account(max(self.now, t))
-        self.now = max(self.now, t)
+        self._pass(t)
 
     def _account(self, t: float) -> None:
         """Engine utilisation bookkeeping up to time t (before completions at t are removed)."""
@@ -242,3 +300,11 @@ class SimEngine:
         for req in list(self._running.values()):
             req.fut.set_exception(EngineError("scripted engine killed"))
         self._running.clear()
+
+
+def _sample_index(request_id: str | None) -> int:
+    """i from a rollout request id ``g<gid>-s<i>[-c<k>]`` (0 for any other id)."""
+    for part in (request_id or "").split("-"):
+        if part[:1] == "s" and part[1:].isdigit():
+            return int(part[1:])
+    return 0
