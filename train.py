@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from modules.config import build
+from modules.engine.gpus import place_gpus
 from modules.environment import check_environment
 from modules.guard import guarded_fit
 from modules.validate import validate
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 def train(cfg: DictConfig) -> float | None:
     validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
+    place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split to type
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
     # Everything below is cheap to construct and validates its arguments; the engine and the

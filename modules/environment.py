@@ -90,7 +90,7 @@ def _check_machine(cfg: DictConfig) -> None:
         n = torch.cuda.device_count()
         field = "trainer.accelerator" if trainer.get("accelerator") in ("gpu", "cuda") else "engine.gpu_ids"
         check(field, OmegaConf.select(cfg, field), n > 0, "cpu on a machine without a CUDA GPU")
-        ids = list(engine.get("gpu_ids") or [])
+        ids = list(engine.gpu_ids) if OmegaConf.is_list(engine.get("gpu_ids")) else []
         check(
             "engine.gpu_ids", ids, all(0 <= i < n for i in ids), f"GPU ids below {n} (GPUs on this machine)"
         )

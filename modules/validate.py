@@ -182,8 +182,9 @@ def _validate_rl(cfg: DictConfig) -> None:
             cfg.trainer.get("accelerator") != "cpu",
             "shm with trainer.accelerator=cpu (nccl broadcasts from the trainer's GPU)",
         )
-    if gpu_ids and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
-        # An int N means GPUs 0..N-1 to Lightning; -1 / "auto" means all of them.
+    if gpu_ids is not None and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
+        # An int N means GPUs 0..N-1 to Lightning; -1 / "auto" means all of them. Against the
+        # GPUs this machine has, modules/engine/gpus.py checks again when train.py places them.
         trainer_gpus = (
             set(devices)
             if OmegaConf.is_list(devices)
@@ -195,16 +196,17 @@ def _validate_rl(cfg: DictConfig) -> None:
             "trainer.devices",
             devices,
             trainer_gpus is not None,
-            f"a GPU count or list when engine.gpu_ids={list(gpu_ids)} is set ('auto' / -1 would "
+            f"a GPU count or list when engine.gpu_ids={gpu_ids} is set ('auto' / -1 would "
             "take the engine's GPUs too)",
         )
-        overlap = sorted(set(gpu_ids) & trainer_gpus)
+        overlap = sorted(set(gpu_ids) & trainer_gpus) if OmegaConf.is_list(gpu_ids) else []
         check(
             "engine.gpu_ids",
-            list(gpu_ids),
+            list(gpu_ids) if OmegaConf.is_list(gpu_ids) else gpu_ids,
             not overlap,
             f"GPUs disjoint from trainer.devices={devices} (both use {overlap}); with an int N the "
-            "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2]",
+            "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2], "
+            "or engine.gpu_ids=auto",
         )
     # The rules below combine batch-shape fields; a bad value of one of those is reported by
     # its constructor (naming that field), so here they only run when each field is sane.

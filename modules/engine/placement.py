@@ -34,14 +34,13 @@ def names_cores(spec: object) -> bool:
 
 
 def configure_engine_env(cpu_cores: str | None, cpu_kvcache_gb: int, gpu_ids: list[int] | None) -> None:
-    """Environment the engine's worker processes inherit (set before the engine is built)."""
+    """Environment the engine's worker processes inherit (set before the engine is built). On
+    GPUs, ``CUDA_VISIBLE_DEVICES`` is set around the build only (``modules.engine.gpus``)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per sync otherwise
     if gpu_ids is None:
         if names_cores(cpu_cores):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_cores)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gb)
-    else:  # CUDA: dedicate these GPUs to rollout (untested here: no GPU in CI).
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
     # Workers are spawned: they must be able to import modules.engine.worker_extension.
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(PROJECT_ROOT) not in paths:

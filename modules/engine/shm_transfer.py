@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from modules.engine.types import EngineError
+from modules.engine.types import EngineError, WeightTransfer
 
 LOAD_TIMEOUT_S = 300.0
 
@@ -50,3 +50,12 @@ def scratch_dir(nbytes: int) -> str | None:
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
         return "/dev/shm"
     return None
+
+
+def make_transfer(kind: str, engine_ranks: int, dtype: str) -> WeightTransfer:
+    """``engine.weight_transfer``: shm (this file) or nccl (GPU only, imported late)."""
+    if kind == "nccl":
+        from modules.engine.nccl_transfer import NCCLWeightTransfer
+
+        return NCCLWeightTransfer(engine_ranks=engine_ranks, dtype=dtype)
+    return SharedMemoryWeightTransfer()

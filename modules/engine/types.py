@@ -143,3 +143,11 @@ class WeightTransfer(Protocol):
         """Load ``named_tensors`` into the engine's model (generation is paused)."""
 
     def close(self) -> None: ...
+
+
+def as_version(v: object) -> int:
+    """A vLLM weight-version label as our policy version."""
+    try:
+        return int(v)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0  # vLLM labels the initial weights "default": that is our version 0

@@ -25,9 +25,18 @@ from typing import TYPE_CHECKING, Any
 from modules.config_errors import check, check_choice
 from modules.engine import reaper
 from modules.engine.busy import BusyClock
+from modules.engine.gpus import engine_devices, engine_visible_devices
 from modules.engine.loop_thread import CallbackThread, LoopThread
 from modules.engine.placement import CorePinning, configure_engine_env
-from modules.engine.types import INFLIGHT_MODES, Completion, EngineError, SamplingConfig, WeightTransfer
+from modules.engine.shm_transfer import make_transfer
+from modules.engine.types import (
+    INFLIGHT_MODES,
+    Completion,
+    EngineError,
+    SamplingConfig,
+    WeightTransfer,
+    as_version,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +61,9 @@ class VLLMEngine:
         seed: int = 0,
         cpu_cores: str | None = "1",
         cpu_kvcache_gb: int = 1,
-        gpu_ids: list[int] | None = None,
+        gpu_ids: list[int] | str | None = None,
+        num_gpus: int = 1,
+        visible_devices: str | None = None,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
         startup_timeout_s: float = 300.0,
@@ -71,7 +82,8 @@ class VLLMEngine:
             "one of float32, bfloat16, float16, auto",
         )
         check("engine.stall_timeout_s", stall_timeout_s, stall_timeout_s > 0, "a float > 0")
-        check("engine.gpu_ids", gpu_ids, gpu_ids is None or len(gpu_ids) >= 1, "null or a non-empty list")
+        ok = gpu_ids in (None, "auto") or (not isinstance(gpu_ids, str) and len(gpu_ids) >= 1)
+        check("engine.gpu_ids", gpu_ids, ok, "null, auto or a non-empty list")
         # shm: safetensors files in /dev/shm (any device); nccl: GPU-to-GPU (docs/gpu.md).
         check_choice("engine.weight_transfer", weight_transfer, ("shm", "nccl"))
         check(
@@ -84,15 +96,14 @@ class VLLMEngine:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_seqs = self.concurrency = max_num_seqs  # concurrency: the Engine protocol's name
-        self.seed = seed
-        self.cpu_cores = cpu_cores
-        self.cpu_kvcache_gb = cpu_kvcache_gb
-        self.gpu_ids = gpu_ids
+        self.seed, self.cpu_cores, self.cpu_kvcache_gb = seed, cpu_cores, cpu_kvcache_gb
+        self.gpu_ids = gpu_ids if gpu_ids in (None, "auto") else [int(i) for i in gpu_ids]
+        self.num_gpus = num_gpus  # read by the placement (modules/engine/gpus.py), not here
+        self.visible_devices = visible_devices  # the placement's CUDA_VISIBLE_DEVICES for it
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
         self.chunked_prefill = chunked_prefill  # None: vLLM's default (see conf/engine/vllm_cpu.yaml)
-        self.startup_timeout_s = startup_timeout_s
-        self.stall_timeout_s = stall_timeout_s
+        self.startup_timeout_s, self.stall_timeout_s = startup_timeout_s, stall_timeout_s
         self.health_poll_s = health_poll_s
         self.pin_trainer = pin_trainer
         self.weight_transfer = weight_transfer
@@ -124,13 +135,18 @@ class VLLMEngine:
                 f"engine.model_path={self.model_path!r} holds no model (no config.json); "
                 "the RL recipes start from the SFT warm start: run `make sft` first"
             )
+        if self.gpu_ids == "auto":
+            raise EngineError(
+                "engine.gpu_ids=auto was not placed: train.py resolves it (modules/engine/gpus.py)"
+            )
         configure_engine_env(self.cpu_cores, self.cpu_kvcache_gb, self.gpu_ids)
         if self._transfer is None:
-            self._transfer = self._make_transfer()
+            self._transfer = make_transfer(self.weight_transfer, len(self.gpu_ids or ()), self.dtype)
         children_before = reaper.child_pids()
         self._thread = LoopThread("asyncrl-engine")
         try:
-            self._thread.start(self._build, self.startup_timeout_s)
+            with engine_visible_devices(engine_devices(self.gpu_ids, self.visible_devices)):
+                self._thread.start(self._build, self.startup_timeout_s)
         except BaseException:  # failure, timeout or Ctrl-C during start-up: leave nothing behind
             self.shutdown()
             raise
@@ -140,15 +156,6 @@ class VLLMEngine:
         self._reaper = reaper.watch_children(children_before)
         self.pinning.apply()
         return self
-
-    def _make_transfer(self) -> WeightTransfer:
-        if self.weight_transfer == "nccl":  # GPU-only path: vLLM's NCCL backend, imported late
-            from modules.engine.nccl_transfer import NCCLWeightTransfer
-
-            return NCCLWeightTransfer(engine_ranks=len(self.gpu_ids or ()), dtype=self.dtype)
-        from modules.engine.shm_transfer import SharedMemoryWeightTransfer
-
-        return SharedMemoryWeightTransfer()
 
     async def _build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -330,7 +337,7 @@ class VLLMEngine:
         c = final.outputs[0]
         token_ids = list(c.token_ids)
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs or [], token_ids)]
-        spans = [(_as_version(s.version), s.start, s.end) for s in (c.weight_versions or [])]
+        spans = [(as_version(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         comp = Completion(rid, prompt_ids, token_ids, logprobs, c.finish_reason, start, end, spans)
         if prompt_logprobs:
             # Entry 0 is None (the first token has no context); keep one float per prompt token.
@@ -390,10 +397,3 @@ async def _shutdown_llm(llm: Any) -> None:
     if handler is not None:
         handler.cancel()
     llm.shutdown(timeout=SHUTDOWN_GRACE_S)
-
-
-def _as_version(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0  # vLLM labels the initial weights "default": that is our version 0

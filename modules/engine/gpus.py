@@ -1,0 +1,184 @@
+"""GPU placement on one node: which GPUs train, which generate, and what the engine sees.
+
+    python train.py recipe=async_grpo trainer=gpu engine=vllm_gpu trainer.devices=4   # engine: 4 spare
+    python train.py recipe=async_grpo trainer=gpu engine=vllm_gpu trainer.devices=6 engine.num_gpus=2
+
+Rules (``place_gpus``, run by ``train.py`` before anything is built):
+
+* GPU indexes are *relative to what this process may see*: with an inherited
+  ``CUDA_VISIBLE_DEVICES=4,5,6,7`` (a SLURM or container allocation) index 0 is physical GPU 4,
+  as Lightning counts them.
+* ``trainer.devices``: a count N takes indexes 0..N-1, a list takes those; ``-1`` / ``auto``
+  would take every GPU and leave none to generate, so it is refused with a split to type.
+* ``engine.gpu_ids: auto`` (``conf/engine/vllm_gpu.yaml``) gives the engine the first
+  ``engine.num_gpus`` indexes the trainer does not use; a list names them (disjoint from the
+  trainer's). When the node has too few GPUs the error names both fields and suggests a split
+  whose trainer count divides the rollout batch (DDP shards it equally).
+* The engine's worker processes get ``CUDA_VISIBLE_DEVICES`` = the *inherited* names of its
+  indexes, set only while the engine starts and restored after (``engine_visible_devices``), so
+  the trainer and the next job of a multirun keep the set they inherited.
+
+Tested with faked device counts and inherited values (``tests/test_gpu_placement.py``); not run
+on a GPU here (no GPU in CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from modules.config_errors import ConfigError, check
+
+ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_gpus(env: Mapping[str, str], device_count: int) -> list[str]:
+    """Names of the GPUs this process may use, in Lightning's index order: the inherited
+    ``CUDA_VISIBLE_DEVICES`` entries (ids or UUIDs), else 0..count-1."""
+    inherited = env.get(ENV)
+    if inherited is None:
+        return [str(i) for i in range(device_count)]
+    names = [x.strip() for x in inherited.split(",") if x.strip()]
+    return names[:device_count]
+
+
+def wants_gpus(accelerator: object, device_count: int) -> bool:
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and device_count > 0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    trainer: list[int]  # indexes (relative to the visible set) the trainer's ranks use
+    engine: list[int]  # indexes the engine uses
+    engine_devices: str  # CUDA_VISIBLE_DEVICES for the engine's workers (inherited names)
+
+
+def suggest_split(n_gpus: int, batch: int, engine_min: int = 1) -> str:
+    """The largest trainer count that leaves >= engine_min GPUs and divides the batch."""
+    for t in range(n_gpus - engine_min, 0, -1):
+        if batch % t == 0:
+            return f"trainer.devices={t} engine.num_gpus={n_gpus - t}"
+    return f"a node with more than {engine_min} GPU(s)"
+
+
+def plan(
+    devices: object,
+    gpu_ids: object,
+    num_gpus: int,
+    visible: list[str],
+    batch: int,
+) -> Placement:
+    """Resolve trainer and engine GPU indexes, or raise ConfigError naming the field."""
+    n = len(visible)
+    check("engine.num_gpus", num_gpus, isinstance(num_gpus, int) and num_gpus >= 1, "an int >= 1")
+    hint = suggest_split(n, batch, num_gpus if gpu_ids == "auto" else 1)
+    if devices in (-1, "-1", "auto"):
+        raise ConfigError(
+            f"trainer.devices={devices} would take all {n} GPUs and leave none to the engine; "
+            f"give a count or list, e.g. {hint}"
+        )
+    if isinstance(devices, int):
+        check("trainer.devices", devices, devices >= 1, "an int >= 1, or a list of GPU indexes")
+        trainer = list(range(devices))
+    else:
+        trainer = [int(i) for i in devices]  # type: ignore[union-attr]
+    bad = [i for i in trainer if not 0 <= i < n]
+    check(
+        "trainer.devices",
+        devices,
+        not bad and len(set(trainer)) == len(trainer),
+        f"distinct GPU indexes below {n} (this process sees {n} GPU(s): {','.join(visible) or 'none'})",
+    )
+    if gpu_ids == "auto":
+        spare = [i for i in range(n) if i not in trainer]
+        if len(spare) < num_gpus:
+            raise ConfigError(
+                f"trainer.devices={devices} and engine.num_gpus={num_gpus} need "
+                f"{len(trainer) + num_gpus} GPUs; this process sees {n}. Try {hint} "
+                f"(the trainer count must divide the rollout batch, {batch})"
+            )
+        engine = spare[:num_gpus]
+    else:
+        engine = [int(i) for i in gpu_ids]  # type: ignore[union-attr]
+        check(
+            "engine.gpu_ids",
+            list(engine),
+            bool(engine) and all(0 <= i < n for i in engine) and not set(engine) & set(trainer),
+            f"'auto' or GPU indexes below {n} disjoint from the trainer's {trainer}, e.g. {hint}",
+        )
+    return Placement(trainer, engine, ",".join(visible[i] for i in engine))
+
+
+def place_gpus(
+    cfg, device_count: int | None = None, env: Mapping[str, str] | None = None
+) -> Placement | None:
+    """Write the resolved placement into ``cfg`` (trainer.devices, engine.gpu_ids as index
+    lists, engine.visible_devices) when the run trains on GPUs; None on CPU."""
+    from omegaconf import OmegaConf, open_dict
+
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count()
+    env = os.environ if env is None else env
+    accelerator = cfg.trainer.get("accelerator")
+    engine = cfg.engine
+    if not wants_gpus(accelerator, device_count):
+        check(
+            "engine.gpu_ids",
+            engine.get("gpu_ids"),
+            engine.get("gpu_ids") in (None, "auto") or accelerator == "cpu",
+            "null when the trainer runs on CPU",
+        )
+        return None
+    check("trainer.accelerator", accelerator, device_count > 0, "cpu on a machine without a CUDA GPU")
+    rollout = cfg.rollout
+    batch = int(rollout.prompts_per_step) * int(rollout.group_size)
+    devices = cfg.trainer.get("devices")
+    devices = OmegaConf.to_container(devices) if OmegaConf.is_list(devices) else devices
+    gpu_ids = engine.get("gpu_ids")
+    gpu_ids = OmegaConf.to_container(gpu_ids) if OmegaConf.is_list(gpu_ids) else gpu_ids
+    if gpu_ids is None:
+        raise ConfigError(
+            "engine.gpu_ids=null runs the engine on CPU beside a GPU trainer; use engine=vllm_gpu "
+            "(engine.gpu_ids=auto) or name the engine's GPUs"
+        )
+    placement = plan(
+        devices, gpu_ids, int(engine.get("num_gpus") or 1), visible_gpus(env, device_count), batch
+    )
+    with open_dict(cfg):
+        cfg.trainer.devices = placement.trainer
+        cfg.engine.gpu_ids = placement.engine
+        cfg.engine.visible_devices = placement.engine_devices
+    return placement
+
+
+def engine_devices(
+    gpu_ids: list[int] | None, placed: str | None, env: Mapping[str, str] | None = None
+) -> str | None:
+    """The engine's CUDA_VISIBLE_DEVICES: the placement's, else its indexes mapped through the
+    inherited set (None on CPU)."""
+    if placed is not None or gpu_ids is None:
+        return placed
+    names = visible_gpus(os.environ if env is None else env, 1 << 16)
+    return ",".join(names[i] for i in gpu_ids)
+
+
+@contextlib.contextmanager
+def engine_visible_devices(value: str | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=value`` while the engine's processes are spawned; the inherited
+    value (or its absence) is restored after, whatever happens."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
