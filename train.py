@@ -21,6 +21,7 @@ from modules.config import build
 from modules.engine.gpus import place_gpus
 from modules.environment import check_environment
 from modules.guard import guarded_fit
+from modules.multirun import this_job_for_ddp_children
 from modules.validate import validate
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return train(cfg)
+    with this_job_for_ddp_children():  # -m with trainer.devices > 1: ranks re-run this job only
+        return train(cfg)
 
 
 if __name__ == "__main__":

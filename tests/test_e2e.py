@@ -489,6 +489,38 @@ def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, mo
     assert rss[3] - rss[1] < 50, rss
 
 
+def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(tmp_path, models):
+    """``-m seed=0,1 trainer.devices=2``: Lightning relaunches rank 1 from ``sys.argv``, which in
+    a multirun still holds the sweep (``modules/multirun.py``); each job must run once, on two
+    ranks, in its own directory."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            f"hydra.sweep.dir={tmp_path}",
+            "recipe=sync_grpo",
+            *SHRINK,
+            f"model.path={models['tied']}",
+            "task._target_=tests.helpers.DigitShareTask",
+            "trainer.max_steps=1",
+            "data.eval_size=0",
+            "trainer.devices=2",
+            "seed=0,1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
+    for job in ("0", "1"):
+        for rank in (0, 1):
+            lines = (tmp_path / job / f"trained_samples.rank{rank}.jsonl").read_text().splitlines()
+            assert len(lines) == 1, (job, rank, lines)
+
+
 def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_path, models):
     """Streaming with admission control (nothing dropped): kill -9 after a checkpoint, resume.
     Every prompt the killed run had drawn before the checkpoint is either trained before it
