@@ -35,24 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from modules.config_errors import check
-
-
-def _tempered_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)[target]`` over the last dim of ``logits [..., V]``, in at least
-    float32 (bf16 logits are upcast, float64 stays); entropy without grad."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp_all = F.log_softmax(logits / temperature, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+from modules.logits import LogitHead
 
 
 def _scatter(values: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -69,6 +54,9 @@ def _empty(input_ids: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, t
 class PaddedForward:
     """One forward over the right-padded ``[B, T]`` batch (the reference layout)."""
 
+    def __init__(self, logit_chunk: int | None = None) -> None:
+        self.head = LogitHead(logit_chunk)
+
     def __call__(
         self,
         model: torch.nn.Module,
@@ -79,11 +67,15 @@ class PaddedForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
             return _empty(input_ids, with_entropy)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logp, entropy = _tempered_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
+        b, t = input_ids.shape
         real = attention_mask[:, 1:] > 0  # a target exists where the next token is real
-        logp = torch.where(real, logp, torch.zeros_like(logp))
-        return logp, None if entropy is None else torch.where(real, entropy, torch.zeros_like(entropy))
+        dst = real.reshape(-1).nonzero().squeeze(1)  # flat [B, T-1] positions scored
+        src = dst // (t - 1) * t + dst % (t - 1)  # the same positions in the [B, T] output
+        targets = input_ids[:, 1:].reshape(-1).index_select(0, dst)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        logp, entropy = self.head(model, inputs, src, targets, temperature, with_entropy)
+        shape = (b, t - 1)
+        return _scatter(logp, dst, shape), None if entropy is None else _scatter(entropy, dst, shape)
 
 
 @dataclass
@@ -151,7 +143,8 @@ class PackedForward:
 
     CHECK_SEQUENCES = 4  # the first call per model compares this many sequences with padded
 
-    def __init__(self, row_tokens: int | None = None) -> None:
+    def __init__(self, row_tokens: int | None = None, logit_chunk: int | None = None) -> None:
+        self.head = LogitHead(logit_chunk)
         check(
             "module.forward.row_tokens",
             row_tokens,
@@ -185,15 +178,18 @@ class PackedForward:
         plan = pack_plan(input_ids, attention_mask, self.capacity(model, attention_mask.sum(dim=1)))
         return self.run(model, plan, (b, t - 1), temperature, with_entropy)
 
-    @staticmethod
     def run(
-        model: torch.nn.Module, plan: PackPlan, shape: tuple[int, int], temperature: float, with_entropy: bool
+        self,
+        model: torch.nn.Module,
+        plan: PackPlan,
+        shape: tuple[int, int],
+        temperature: float,
+        with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The packed forward of ``plan``, scattered back to the padded ``shape``."""
         # attention_mask=None: transformers derives the block-diagonal mask from position_ids
-        logits = model(input_ids=plan.input_ids, position_ids=plan.position_ids, use_cache=False).logits
-        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, plan.src)
-        logp, entropy = _tempered_logprobs(flat, plan.targets, temperature, with_entropy)
+        inputs = {"input_ids": plan.input_ids, "position_ids": plan.position_ids}
+        logp, entropy = self.head(model, inputs, plan.src, plan.targets, temperature, with_entropy)
         return _scatter(logp, plan.dst, shape), None if entropy is None else _scatter(
             entropy, plan.dst, shape
         )
@@ -226,7 +222,7 @@ class BucketedForward:
     """Length-sorted micro-batches of at most ``token_budget`` padded tokens, each run padded
     (exact on any attention backend; some padding remains inside each micro-batch)."""
 
-    def __init__(self, token_budget: int = 4096) -> None:
+    def __init__(self, token_budget: int = 4096, logit_chunk: int | None = None) -> None:
         check(
             "module.forward.token_budget",
             token_budget,
@@ -234,7 +230,7 @@ class BucketedForward:
             "an int >= 1",
         )
         self.token_budget = token_budget
-        self.padded = PaddedForward()
+        self.padded = PaddedForward(logit_chunk)
 
     def buckets(self, lengths: list[int]) -> list[list[int]]:
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])

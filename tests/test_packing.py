@@ -26,6 +26,10 @@ LAYOUTS = {
     "packed_long_rows": PackedForward(row_tokens=64),
     "packed_tiny_rows": PackedForward(row_tokens=2),  # one sequence per row
     "bucketed": BucketedForward(token_budget=40),
+    # the output head applied a few positions at a time (modules/logits.py)
+    "padded_logit_chunks": PaddedForward(logit_chunk=5),
+    "packed_logit_chunks": PackedForward(logit_chunk=7),
+    "bucketed_logit_chunks": BucketedForward(token_budget=40, logit_chunk=3),
 }
 
 
