@@ -180,7 +180,7 @@ def validate(work: Workload, runs: list[Path]) -> list[dict]:
         mean = statistics.fmean(measured)
         rows.append(
             {
-                "config": " ".join(o for o in overrides if o.startswith(("recipe=", "rollout"))),
+                "config": " ".join(o for o in overrides if not o.startswith(("callbacks", "~callbacks"))),
                 "runs": len(group),
                 "measured_samples_per_s": mean,
                 "measured_sd": statistics.stdev(measured) if len(measured) > 1 else 0.0,
@@ -199,6 +199,9 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
         if o.split("=", 1)[0] in ("task", "model", "engine")
         or o.startswith(("task.", "model.", "engine.", "data."))
     ]
+    base = compose_train(["recipe=sync_grpo", *keep])
+    batch = int(base.rollout.prompts_per_step) * int(base.rollout.group_size)
+    bound = work.bounds(batch, int(base.engine.get("max_num_seqs") or batch))["pipeline_bound_samples_per_s"]
     rows = []
     for c in candidates():
         out = predict(work, ["recipe=sync_grpo", *keep, *c.overrides], seed, steps)
@@ -210,7 +213,7 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
                 "candidate": c.name,
                 "overrides": list(c.overrides),
                 "samples_per_unit": out["samples_per_unit"],
-                "of_pipeline_bound": float("nan"),
+                "of_pipeline_bound": out["samples_per_unit"] / bound,
                 "staleness_mean": out["staleness_mean"],
                 "drop_rate": dropped / (dropped + trained / group) if dropped + trained else 0.0,
                 "level_kl": out.get("bias/level_kl_trained_vs_issued", 0.0),
