@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
-    validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
     place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split to type
+    validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
     L.seed_everything(cfg.seed, workers=True)
     torch.set_num_threads(cfg.torch_threads)
     # Everything below is cheap to construct and validates its arguments; the engine and the

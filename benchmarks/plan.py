@@ -142,9 +142,12 @@ def compose_train(overrides: list[str]):
 
 
 def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | None = None) -> dict:
-    """Simulate the training config ``overrides`` on a fitted workload (times in seconds)."""
+    """Simulate the training config ``overrides`` on a fitted workload (times in seconds).
+    ``steps`` counts optimizer steps, as ``trainer.max_steps`` does; the simulator steps once per
+    rollout batch, i.e. per ``algo.minibatches x algo.epochs`` optimizer steps."""
     cfg = compose_train(overrides)
     ctl = build(cfg.rollout)
+    per_batch = int(cfg.algo.get("minibatches", 1)) * int(cfg.algo.get("epochs", 1))
     engine = SimEngine(
         max_concurrency=cfg.engine.get("max_num_seqs"),
         step_cost=work.step_cost,
@@ -153,10 +156,11 @@ def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | No
     return simulate(
         ctl,
         [],
-        steps or int(cfg.trainer.max_steps),
-        work.step_time,
+        max(1, (steps or int(cfg.trainer.max_steps)) // per_batch),
+        work.step_time * per_batch,
         None,
         seed=seed,
+        sync_every=int(cfg.data.get("sync_every") or 1),
         engine=engine,
         task=SimTask.from_groups(work.groups),
         contention=work.contention,
@@ -192,12 +196,23 @@ def validate(work: Workload, runs: list[Path]) -> list[dict]:
 
 
 def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_level_kl: float) -> dict:
-    """The candidates on a run's fitted workload: its task/model/engine, other rollout configs."""
+    """The candidates on a run's fitted workload: its task, model, engine and batch (prompts,
+    group size, max tokens, minibatches, epochs, sync cadence), other rollout configs."""
+    run = compose_train(work.overrides)
     keep = [
         o
         for o in work.overrides
         if o.split("=", 1)[0] in ("task", "model", "engine")
         or o.startswith(("task.", "model.", "engine.", "data."))
+    ]
+    keep += [
+        f"rollout.prompts_per_step={run.rollout.prompts_per_step}",
+        f"rollout.group_size={run.rollout.group_size}",
+        f"rollout.sampling.max_tokens={run.rollout.sampling.max_tokens}",
+        f"algo.minibatches={run.algo.get('minibatches', 1)}",
+        f"algo.epochs={run.algo.get('epochs', 1)}",
+        f"data.sync_every={run.data.get('sync_every') or 1}",
+        f"engine.max_num_seqs={run.engine.get('max_num_seqs')}",
     ]
     base = compose_train(["recipe=sync_grpo", *keep])
     batch = int(base.rollout.prompts_per_step) * int(base.rollout.group_size)
@@ -207,7 +222,7 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
         out = predict(work, ["recipe=sync_grpo", *keep, *c.overrides], seed, steps)
         trained = out["trained_samples"]
         dropped = out["dropped_groups"]
-        group = max(1, len(work.groups[0][1]))
+        group = int(base.rollout.group_size)
         rows.append(
             {
                 "candidate": c.name,

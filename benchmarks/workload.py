@@ -73,18 +73,18 @@ class Workload:
         return running / (a + b * running)
 
     def bounds(self, batch: int, concurrency: int) -> dict:
-        """Samples/s no schedule beats on this workload: generation alone (every slot busy,
-        each response its mean length plus the prefill), training alone, and, on a shared
-        machine, both slowed by the fitted contention while they overlap."""
+        """Samples/s no schedule beats on this workload: the smaller of generation alone (every
+        slot busy, each response its mean length plus the prefill) and training alone. On a
+        shared machine overlap slows both (the fitted contention), so real pipelines stay
+        further below it; a sync schedule never overlaps and pays none."""
         lengths = [n for _, g in self.groups for n in g]
         per_sample = (statistics.fmean(lengths) + self.prefill_iterations) / self.tokens_per_s(concurrency)
         gen = 1.0 / per_sample
         train = batch / self.step_time
-        e, t = self.contention
         return {
             "generation_only_samples_per_s": gen,
             "training_only_samples_per_s": train,
-            "pipeline_bound_samples_per_s": min(gen / (1 + e), train / (1 + t)),
+            "pipeline_bound_samples_per_s": min(gen, train),
         }
 
 
@@ -128,13 +128,14 @@ def mean_concurrency(
 
 
 def fit_engine(
-    records: list[dict], shared: np.ndarray | None = None
+    records: list[dict], shared: np.ndarray | None = None, runs: np.ndarray | None = None
 ) -> tuple[tuple[float, float], float, float, dict]:
     """``d = (L + k) (a + b n_bar)`` over uncontinued requests: ((a, b), k, diagnostics).
     n_bar is averaged over the request's decoding iterations, which depends on (a, b): start
     from the time average and refit a few times (a fixed point; exact when the records hold
     every request the engine ran). ``shared``: per record, the share of its run's time the
-    trainer was busy too; when it varies, the slowdown e of ``(1 + e * shared)`` is fitted."""
+    trainer was busy too; when it varies, the slowdown e of ``(1 + e * shared)`` is fitted.
+    ``runs``: per record, which run it came from (concurrency is counted within a run)."""
     starts = np.array([r["gen_start"] for r in records], dtype=float)
     ends = np.array([r["gen_end"] for r in records], dtype=float)
     keep = np.array([not r.get("splits") and r["len"] > 0 for r in records])
@@ -145,9 +146,14 @@ def fit_engine(
     u = np.zeros(len(records)) if shared is None else np.asarray(shared, dtype=float)
     u = u[keep]
     slowdowns = np.arange(0.0, 2.01, 0.05) if np.ptp(u) > 0.05 else np.zeros(1)
+    run_of = np.zeros(len(records), dtype=int) if runs is None else np.asarray(runs)
     cost = None
     for _ in range(4):
-        n_bar = mean_concurrency(starts, ends, cost)[keep]
+        n_all = np.zeros(len(records))
+        for r in np.unique(run_of):
+            sel = run_of == r
+            n_all[sel] = mean_concurrency(starts[sel], ends[sel], cost)
+        n_bar = n_all[keep]
         best = None
         for e in slowdowns:
             for k in np.arange(0.0, 48.5, 1.0):
@@ -253,16 +259,17 @@ def groups_of(records: list[dict]) -> list[tuple[int, list[int]]]:
 def fit(runs: Path | list[Path]) -> Workload:
     """One workload from one or more finished runs of the same task (their records pooled)."""
     runs = [runs] if isinstance(runs, Path) else list(runs)
-    records, shared, groups, steps, busy = [], [], [], [], []
-    for run in runs:
+    records, shared, run_ids, groups, steps, busy = [], [], [], [], [], []
+    for i, run in enumerate(runs):
         rs = read_records(run)
         u, v = overlap(run)
         records += rs
         shared += [u] * len(rs)
+        run_ids += [i] * len(rs)
         groups += groups_of(rs)
         steps.append(trainer_step_time(run))
         busy.append(v)
-    step_cost, prefill, slow_e, diag = fit_engine(records, np.array(shared))
+    step_cost, prefill, slow_e, diag = fit_engine(records, np.array(shared), np.array(run_ids))
     t0, slow_t = fit_trainer(steps, busy)
     diag["runs"] = [str(r) for r in runs]
     return Workload(

@@ -42,23 +42,17 @@ def tempered_logprobs(
     return logp, entropy
 
 
-def _chunk_logprobs(
+def _chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     temperature: float,
-) -> torch.Tensor:
-    logp, _ = tempered_logprobs(F.linear(hidden, weight, bias), targets, temperature, False)
-    return logp
-
-
-def _chunk_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
-) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's logprobs and (without grad; empty when not asked) entropy, from one matmul."""
+    logp, entropy = tempered_logprobs(F.linear(hidden, weight, bias), targets, temperature, with_entropy)
+    return logp, (entropy if entropy is not None else logp.new_zeros(0)).detach()
 
 
 class LogitHead:
@@ -101,19 +95,13 @@ class LogitHead:
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, src)
         c = int(self.logit_chunk or len(flat))
         logps, ents = [], []
+        grad = torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad)
         for i in range(0, len(flat), c):
-            h, t = flat[i : i + c], targets[i : i + c]
-            if torch.is_grad_enabled() and h.requires_grad:
-                logps.append(
-                    checkpoint(
-                        _chunk_logprobs, h, head.weight, head.bias, t, temperature, use_reentrant=False
-                    )
-                )
-            else:
-                logps.append(_chunk_logprobs(h, head.weight, head.bias, t, temperature))
-            if with_entropy:
-                with torch.no_grad():
-                    ents.append(_chunk_entropy(h, head.weight, head.bias, temperature))
+            args = (flat[i : i + c], head.weight, head.bias, targets[i : i + c], temperature, with_entropy)
+            # under checkpoint only the chunk's inputs are kept; backward recomputes its logits
+            logp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+            logps.append(logp)
+            ents.append(ent)
         if not logps:
             empty = flat.new_zeros(0, dtype=torch.promote_types(flat.dtype, torch.float32))
             return empty, (empty.clone() if with_entropy else None)
@@ -121,12 +109,21 @@ class LogitHead:
 
     @torch.no_grad()
     def check_against_full(self, model, inputs, src, targets) -> None:
-        """Once per model: the chunked head must score the first positions as the full model."""
-        n = min(len(src), 64)
-        if n == 0:
-            return
-        ref, _ = self.full(model, inputs, src[:n], targets[:n], 1.0, False)
-        got, _ = self.chunked(model, inputs, src[:n], targets[:n], 1.0, False)
+        """Once per model: the chunked head must score the first row's positions as the full
+        model does. Only that row, cut after its last scored position, is run (causal: the same
+        values), so the check itself never holds more than one row's logits; in full precision
+        (autocast off), so the two paths' kernels cannot differ by bf16 rounding."""
+        width = inputs["input_ids"].shape[1]
+        first = src < width  # positions in row 0 of the [rows, width] output
+        if not first.any():
+            return  # row 0 scores nothing here: check on a later call
+        cols = int(src[first].max()) + 1
+        row = {k: v[:1, :cols] for k, v in inputs.items()}
+        src0, tgt0 = src[first], targets[first]
+        device = inputs["input_ids"].device.type
+        with torch.autocast(device_type=device, enabled=False):
+            ref, _ = self.full(model, row, src0, tgt0, 1.0, False)
+            got, _ = self.chunked(model, row, src0, tgt0, 1.0, False)
         diff = float((got - ref).abs().max())
         precise = next(model.parameters()).dtype in (torch.float32, torch.float64)
         tolerance = 1e-3 if precise else 5e-2

@@ -8,6 +8,7 @@ import pytest
 
 from modules.config_errors import ConfigError
 from modules.engine.gpus import (
+    batch_splitter,
     engine_devices,
     engine_visible_devices,
     place_gpus,
@@ -27,28 +28,38 @@ def test_visible_gpus_follow_the_inherited_set():
 
 
 def test_the_engine_takes_the_gpus_the_trainer_leaves():
-    p = plan(4, "auto", 4, [str(i) for i in range(8)], batch=128)
+    p = plan(4, "auto", 4, [str(i) for i in range(8)], batch_splitter(128))
     assert p.trainer == [0, 1, 2, 3] and p.engine == [4, 5, 6, 7] and p.engine_devices == "4,5,6,7"
-    p = plan([0, 2], "auto", 1, [str(i) for i in range(4)], batch=128)
+    p = plan([0, 2], "auto", 1, [str(i) for i in range(4)], batch_splitter(128))
     assert p.trainer == [0, 2] and p.engine == [1]
 
 
 def test_indexes_are_relative_to_an_inherited_allocation():
     """SLURM gave this job physical GPUs 4 and 5: index 1 is physical 5, not 1."""
-    p = plan(1, "auto", 1, ["4", "5"], batch=128)
+    p = plan(1, "auto", 1, ["4", "5"], batch_splitter(128))
     assert p.trainer == [0] and p.engine == [1] and p.engine_devices == "5"
-    p = plan([1], [0], 1, ["4", "5"], batch=128)
+    p = plan([1], [0], 1, ["4", "5"], batch_splitter(128))
     assert p.engine_devices == "4"
 
 
 def test_a_full_node_is_refused_with_a_split_that_divides_the_batch():
     with pytest.raises(ConfigError) as info:
-        plan(8, "auto", 1, [str(i) for i in range(8)], batch=128)
+        plan(8, "auto", 1, [str(i) for i in range(8)], batch_splitter(128))
     msg = str(info.value)
     assert "trainer.devices=8" in msg and "engine.num_gpus=1" in msg
     assert "trainer.devices=4 engine.num_gpus=4" in msg  # 7 does not divide 128; 4 does
-    assert suggest_split(8, 96, 1) == "trainer.devices=6 engine.num_gpus=2"
-    assert suggest_split(1, 128, 1).startswith("a node with more than")
+    assert suggest_split(8, batch_splitter(96), 1) == "trainer.devices=6 engine.num_gpus=2"
+    # 32 minibatches of 96: 96 % (t x 32) == 0 needs t in {1, 3}
+    assert suggest_split(8, batch_splitter(96, minibatches=32), 1) == "trainer.devices=3 engine.num_gpus=5"
+    # a KL reward needs whole groups per rank: 12 prompts, t must divide 12 too
+    assert suggest_split(9, batch_splitter(96, prompts=12), 1) == "trainer.devices=6 engine.num_gpus=3"
+    assert suggest_split(1, batch_splitter(128), 1).startswith("a node with more than")
+
+
+def test_a_split_that_fits_the_node_but_not_the_batch_is_refused_with_one_that_does():
+    with pytest.raises(ConfigError) as info:
+        plan(7, "auto", 1, [str(i) for i in range(8)], batch_splitter(128), "the rollout batch (16 x 8)")
+    assert "trainer.devices" in str(info.value) and "trainer.devices=4 engine.num_gpus=4" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +75,7 @@ def test_a_full_node_is_refused_with_a_split_that_divides_the_batch():
 )
 def test_bad_placements_name_the_field(devices, gpu_ids, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        plan(devices, gpu_ids, 1, ["0", "1", "2", "3"], batch=128)
+        plan(devices, gpu_ids, 1, ["0", "1", "2", "3"], batch_splitter(128))
 
 
 def test_place_gpus_writes_the_resolved_config():
@@ -86,12 +97,18 @@ def test_place_gpus_on_cpu_does_nothing_and_a_gpu_request_without_gpus_fails():
     assert place_gpus(cfg, device_count=2, env={}).engine == [1]  # auto with GPUs: GPUs
     with pytest.raises(ConfigError, match="engine.gpu_ids"):
         place_gpus(compose(["trainer=gpu"]), device_count=2, env={})  # CPU engine beside GPU trainer
+    with pytest.raises(ConfigError, match="engine.gpu_ids"):  # auto with a CPU trainer: nothing to leave
+        place_gpus(compose(["engine=vllm_gpu", "trainer.accelerator=cpu"]), device_count=2, env={})
+    with pytest.raises(ConfigError, match="engine.num_gpus"):
+        place_gpus(compose([*GPU, "engine.num_gpus=0"]), device_count=2, env={})
 
 
 def test_the_engine_sees_its_gpus_only_while_it_starts(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     assert engine_devices([2], None) == "6"  # mapped through the inherited set
     assert engine_devices([2], "1") == "1" and engine_devices(None, None) is None
+    with pytest.raises(ConfigError, match="engine.gpu_ids"):
+        engine_devices([3], None)
     with engine_visible_devices("6"):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"

@@ -73,7 +73,8 @@ def test_chunked_and_full_agree_under_no_grad_too(model):
 
 def test_a_model_that_post_processes_logits_is_refused(model):
     class SoftCapped(torch.nn.Module):
-        """logits = 2 tanh(head(trunk(x)) / 2): what soft-capping models do."""
+        """logits = 0.1 tanh(head(trunk(x)) / 0.1): what soft-capping models do (a tight cap, so
+        this small random model's logits feel it)."""
 
         def __init__(self, inner):
             super().__init__()
@@ -81,7 +82,7 @@ def test_a_model_that_post_processes_logits_is_refused(model):
 
         def forward(self, **kw):
             out = self.inner(**kw)
-            out.logits = 2 * torch.tanh(out.logits / 2)
+            out.logits = 0.1 * torch.tanh(out.logits / 0.1)
             return out
 
         def get_decoder(self):

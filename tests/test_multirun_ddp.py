@@ -18,6 +18,12 @@ def test_a_job_command_line_has_no_sweep():
         "trainer.devices=2",
     ]
     assert job_argv(["train.py", "--multirun", "a=1,2"], ["a=2"]) == ["train.py", "a=2"]
+    hydra = ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/tmp/x", "hydra.job.chdir=true", "hydra.run.dir=y"]
+    assert job_argv(["train.py", "-m", "a=1,2"], ["a=1"], hydra) == [
+        "train.py",
+        "hydra.job.chdir=true",
+        "a=1",
+    ]
 
 
 def test_outside_hydra_nothing_changes():

@@ -119,11 +119,10 @@ def test_contention_is_fitted_from_runs_that_shared_the_machine_and_runs_that_di
     alone = simulated_records(0.02, 0.004, 6, seed=0)
     shared = simulated_records(0.02, 0.004, 6, seed=1, slowdown=1.5)  # the trainer busy all along
     for r in shared:
-        r["group"] += 10_000
-        r["gen_start"] += 1e6  # another run: no overlap with the first
-        r["gen_end"] += 1e6
+        r["group"] += 10_000  # another run, over the same stretch of time as the first
     u = np.array([0.0] * len(alone) + [1.0] * len(shared))
-    (a, b), k, e, _ = fit_engine(alone + shared, u)
+    runs = np.array([0] * len(alone) + [1] * len(shared))
+    (a, b), k, e, _ = fit_engine(alone + shared, u, runs)
     assert (a, b, k) == pytest.approx((0.02, 0.004, 6), rel=0.01)
     assert e == pytest.approx(0.5)
     t0, t = fit_trainer([2.0, 2.0 * 1.3], [0.0, 1.0])
@@ -164,6 +163,11 @@ def test_fit_reads_a_run_and_predicts_sync_throughput(tmp_path):
     out = predict(fixed, ["recipe=sync_grpo"], steps=10)
     per_step = (4 + 50) * 0.01 + 1.0  # 16 x 8 requests all run at once (max_num_seqs 256)
     assert out["samples_per_unit"] == pytest.approx(128 / per_step, rel=0.01)
+
+    # two minibatches: one rollout batch per two optimizer steps, each step fitted at 1.0 s
+    two = predict(fixed, ["recipe=sync_grpo", "algo.minibatches=2"], steps=10)
+    assert two["trained_samples"] == 5 * 128
+    assert two["samples_per_unit"] == pytest.approx(128 / ((4 + 50) * 0.01 + 2 * 1.0), rel=0.01)
 
     (row,) = validate(fixed, [run])
     assert row["measured_samples_per_s"] == 20.0 and row["runs"] == 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from modules.config_errors import ConfigError, check
@@ -55,25 +55,34 @@ class Placement:
     engine_devices: str  # CUDA_VISIBLE_DEVICES for the engine's workers (inherited names)
 
 
-def suggest_split(n_gpus: int, batch: int, engine_min: int = 1) -> str:
-    """The largest trainer count that leaves >= engine_min GPUs and divides the batch."""
+def suggest_split(n_gpus: int, fits: Callable[[int], bool], engine_min: int = 1) -> str:
+    """The largest trainer count that leaves >= engine_min GPUs and ``fits`` (splits the batch)."""
     for t in range(n_gpus - engine_min, 0, -1):
-        if batch % t == 0:
+        if fits(t):
             return f"trainer.devices={t} engine.num_gpus={n_gpus - t}"
     return f"a node with more than {engine_min} GPU(s)"
+
+
+def batch_splitter(batch: int, minibatches: int = 1, prompts: int | None = None) -> Callable[[int], bool]:
+    """Whether t DDP ranks split the rollout batch as ``modules/validate.py`` requires: equal
+    shards of every minibatch, and (``prompts`` given: a KL reward) whole groups per rank."""
+    return lambda t: batch % (t * minibatches) == 0 and (prompts is None or prompts % t == 0)
 
 
 def plan(
     devices: object,
     gpu_ids: object,
-    num_gpus: int,
+    num_gpus: object,
     visible: list[str],
-    batch: int,
+    fits: Callable[[int], bool],
+    batch: int | str = "the rollout batch",
 ) -> Placement:
-    """Resolve trainer and engine GPU indexes, or raise ConfigError naming the field."""
+    """Resolve trainer and engine GPU indexes, or raise ConfigError naming the field. ``fits(t)``:
+    whether t trainer ranks split the batch (``batch_splitter``)."""
     n = len(visible)
     check("engine.num_gpus", num_gpus, isinstance(num_gpus, int) and num_gpus >= 1, "an int >= 1")
-    hint = suggest_split(n, batch, num_gpus if gpu_ids == "auto" else 1)
+    assert isinstance(num_gpus, int)
+    hint = suggest_split(n, fits, num_gpus if gpu_ids == "auto" else 1)
     if devices in (-1, "-1", "auto"):
         raise ConfigError(
             f"trainer.devices={devices} would take all {n} GPUs and leave none to the engine; "
@@ -97,7 +106,7 @@ def plan(
             raise ConfigError(
                 f"trainer.devices={devices} and engine.num_gpus={num_gpus} need "
                 f"{len(trainer) + num_gpus} GPUs; this process sees {n}. Try {hint} "
-                f"(the trainer count must divide the rollout batch, {batch})"
+                f"(the trainer count must split {batch})"
             )
         engine = spare[:num_gpus]
     else:
@@ -108,6 +117,12 @@ def plan(
             bool(engine) and all(0 <= i < n for i in engine) and not set(engine) & set(trainer),
             f"'auto' or GPU indexes below {n} disjoint from the trainer's {trainer}, e.g. {hint}",
         )
+    check(
+        "trainer.devices",
+        devices,
+        fits(len(trainer)),
+        f"a GPU count that splits {batch} into equal shards (DDP), e.g. {hint}",
+    )
     return Placement(trainer, engine, ",".join(visible[i] for i in engine))
 
 
@@ -129,13 +144,12 @@ def place_gpus(
         check(
             "engine.gpu_ids",
             engine.get("gpu_ids"),
-            engine.get("gpu_ids") in (None, "auto") or accelerator == "cpu",
-            "null when the trainer runs on CPU",
+            engine.get("gpu_ids") != "auto",
+            "null (or a list) with a CPU trainer: auto takes the GPUs a GPU trainer leaves",
         )
         return None
     check("trainer.accelerator", accelerator, device_count > 0, "cpu on a machine without a CUDA GPU")
-    rollout = cfg.rollout
-    batch = int(rollout.prompts_per_step) * int(rollout.group_size)
+    fits, batch = _splitter(cfg)
     devices = cfg.trainer.get("devices")
     devices = OmegaConf.to_container(devices) if OmegaConf.is_list(devices) else devices
     gpu_ids = engine.get("gpu_ids")
@@ -145,9 +159,8 @@ def place_gpus(
             "engine.gpu_ids=null runs the engine on CPU beside a GPU trainer; use engine=vllm_gpu "
             "(engine.gpu_ids=auto) or name the engine's GPUs"
         )
-    placement = plan(
-        devices, gpu_ids, int(engine.get("num_gpus") or 1), visible_gpus(env, device_count), batch
-    )
+    num_gpus = engine.get("num_gpus", 1)
+    placement = plan(devices, gpu_ids, num_gpus, visible_gpus(env, device_count), fits, batch)
     with open_dict(cfg):
         cfg.trainer.devices = placement.trainer
         cfg.engine.gpu_ids = placement.engine
@@ -163,7 +176,25 @@ def engine_devices(
     if placed is not None or gpu_ids is None:
         return placed
     names = visible_gpus(os.environ if env is None else env, 1 << 16)
+    if any(not 0 <= i < len(names) for i in gpu_ids):
+        raise ConfigError(f"engine.gpu_ids={gpu_ids}: indexes beyond the visible GPUs {names}")
     return ",".join(names[i] for i in gpu_ids)
+
+
+def _splitter(cfg) -> tuple[Callable[[int], bool], str]:
+    """``batch_splitter`` from the config (any rank count fits while a batch field is invalid:
+    ``modules/validate.py`` names that field next)."""
+    rollout, algo = cfg.rollout, cfg.algo
+    fields = (rollout.get("prompts_per_step"), rollout.get("group_size"), algo.get("minibatches", 1))
+    if not all(isinstance(v, int) and v >= 1 for v in fields):
+        return (lambda t: True), "the rollout batch"
+    prompts, group, minibatches = fields
+    kl = bool((algo.get("kl_reward") or {}).get("coef"))
+    desc = f"the rollout batch ({prompts} x {group}" + (
+        f", {minibatches} minibatches" if minibatches > 1 else ""
+    )
+    desc += ", whole groups per rank for the KL reward)" if kl else ")"
+    return batch_splitter(prompts * group, minibatches, prompts if kl else None), desc
 
 
 @contextlib.contextmanager
