@@ -8,7 +8,7 @@ export PROJECT_ROOT := $(CURDIR)
 
 SFT_MODEL := artifacts/tiny-qwen-sft/config.json
 
-.PHONY: install sft train test test-fast lint format clean report trl-venv
+.PHONY: install sft train test test-fast lint format clean report trl-venv gpu-smoke
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ train: $(SFT_MODEL)
 report:
 	@test -n "$(RUN)" || (echo "usage: make report RUN=<run dir with metrics.csv>"; exit 2)
 	$(BIN)/python -m benchmarks.report $(RUN)
+
+# On a GPU node, first: 3 steps of each mode on GPUs with the weight sync verified; writes
+# outputs/gpu_smoke/report.txt to send back (benchmarks/gpu_smoke.py).
+gpu-smoke:
+	$(BIN)/python -m benchmarks.gpu_smoke $(ARGS)
 
 # TRL's GRPOTrainer for the peer benchmark (benchmarks/trl_peer.py), in its own venv: it sees
 # this project's packages (torch, transformers, vLLM) through a .pth file and adds TRL and what
