@@ -663,7 +663,7 @@ def plot_reward_vs_wall(all_runs: dict[str, list[dict]], targets: dict, path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5 + 0.15 * len(all_runs)))
     for ax, name, label in (
         (axes[0], "sampled", "held-out sampled reward (eval/sampled_reward_mean)"),
         (axes[1], "greedy", "held-out greedy reward (eval/reward_mean)"),
@@ -687,11 +687,12 @@ def plot_reward_vs_wall(all_runs: dict[str, list[dict]], targets: dict, path: Pa
             ax.axhline(soft, color="k", ls=":", lw=1, label=f"90% of its gain {soft:.3f}")
         ax.set_xlabel("training wall-clock s (evaluation excluded; dotted: mean end of run)")
         ax.set_ylabel(label)
-        ax.legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend below both panels
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(
         "held-out reward vs training time: seed mean and 95% band; target = reference's final reward"
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * math.ceil((len(labels) + 1) / 2), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
