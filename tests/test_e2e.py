@@ -315,7 +315,7 @@ def test_async_recipes_end_to_end(tmp_path, models, recipe):
     assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[1:]) < 1e-4
     stale = [float(r["rollout/staleness_max"]) for r in train_rows]
     if recipe == "async_grpo":
-        assert max(stale) <= 1  # max_staleness=1 with drop
+        assert max(stale) <= 2  # max_staleness=2 with drop
     assert "rollout/inflight" in rows[0] and "rollout/buffer_size" in rows[0]
 
 
