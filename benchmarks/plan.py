@@ -145,7 +145,11 @@ def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | No
     """Simulate the training config ``overrides`` on a fitted workload (times in seconds).
     ``steps`` counts optimizer steps, as ``trainer.max_steps`` does; the simulator steps once per
     rollout batch, i.e. per ``algo.minibatches x algo.epochs`` optimizer steps."""
-    cfg = compose_train(overrides)
+    return predict_config(work, compose_train(overrides), seed, steps)
+
+
+def predict_config(work: Workload, cfg, seed: int = 0, steps: int | None = None) -> dict:
+    """``predict`` for a composed training config (e.g. a run's own ``.hydra/config.yaml``)."""
     ctl = build(cfg.rollout)
     per_batch = int(cfg.algo.get("minibatches", 1)) * int(cfg.algo.get("epochs", 1))
     engine = SimEngine(
@@ -167,6 +171,15 @@ def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | No
     )
 
 
+def run_config(run: Path, overrides: list[str]):
+    """The config a run trained with: its saved ``.hydra/config.yaml`` (a recipe's defaults may
+    have changed since), else its overrides composed today."""
+    from omegaconf import OmegaConf
+
+    saved = run / ".hydra" / "config.yaml"
+    return OmegaConf.load(saved) if saved.exists() else compose_train(overrides)
+
+
 def _without_seed(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if not re.match(r"^seed=", o))
 
@@ -179,7 +192,8 @@ def validate(work: Workload, runs: list[Path]) -> list[dict]:
     rows = []
     for overrides, group in by_config.items():
         measured = [measured_samples_per_s(r) for r in group]
-        sims = [predict(work, list(overrides), seed=s)["samples_per_unit"] for s in range(3)]
+        cfg = run_config(group[0], list(overrides))
+        sims = [predict_config(work, cfg, seed=s)["samples_per_unit"] for s in range(3)]
         pred = statistics.fmean(sims)
         mean = statistics.fmean(measured)
         rows.append(
@@ -198,7 +212,8 @@ def validate(work: Workload, runs: list[Path]) -> list[dict]:
 def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_level_kl: float) -> dict:
     """The candidates on a run's fitted workload: its task, model, engine and batch (prompts,
     group size, max tokens, minibatches, epochs, sync cadence), other rollout configs."""
-    run = compose_train(work.overrides)
+    first = (work.fit.get("runs") or [None])[0]
+    run = run_config(Path(first), work.overrides) if first else compose_train(work.overrides)
     keep = [
         o
         for o in work.overrides
