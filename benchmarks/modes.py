@@ -194,8 +194,10 @@ def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, s
 
 
 def run_dir_name(spec: str) -> str:
-    """A recipe spec as a directory name Hydra accepts in ``hydra.run.dir`` (no ``=`` / ``,``)."""
-    return spec.replace(":", "+").replace("=", "-").replace(",", "+")
+    """A recipe spec as one directory name Hydra accepts in ``hydra.run.dir`` (no ``=`` / ``,``;
+    no ``/``: a config-group override would otherwise nest the run one level deeper, and the
+    shared initial evaluation, kept two levels above a run, would land inside the spec)."""
+    return spec.replace(":", "+").replace("=", "-").replace(",", "+").replace("/", ".")
 
 
 def split_spec(spec: str) -> tuple[str, list[str]]:

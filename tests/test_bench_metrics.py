@@ -222,4 +222,4 @@ def test_run_dir_names_are_safe_in_hydra_overrides():
     from benchmarks.modes import run_dir_name
 
     name = run_dir_name("async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis")
-    assert "=" not in name and "," not in name and name.startswith("async_grpo+")
+    assert "=" not in name and "," not in name and "/" not in name and name.startswith("async_grpo+")
