@@ -1,6 +1,6 @@
 """Per-token logprobs of chosen positions, optionally without materialising full-vocabulary logits.
 
-    python train.py module.forward.logit_chunk=2048   # at most 2048 positions' logits at a time
+    python train.py module.forward.logit_chunk=1024   # at most 1024 positions' logits at a time
 
 The textbook path (``logit_chunk: null``) runs the whole causal LM, so ``logits [N, V]`` exist
 in full, plus a float32 upcast, the tempered copy and ``log_softmax`` (and two more for the
@@ -58,6 +58,8 @@ def _chunk(
 class LogitHead:
     """Logprobs of ``targets`` at flat positions ``src`` of the model's output on ``inputs``."""
 
+    CHECK_TOKENS = 64  # the first-use check compares this many positions of the first row
+
     def __init__(self, logit_chunk: int | None = None) -> None:
         check(
             "module.forward.logit_chunk",
@@ -109,12 +111,12 @@ class LogitHead:
 
     @torch.no_grad()
     def check_against_full(self, model, inputs, src, targets) -> None:
-        """Once per model: the chunked head must score the first row's positions as the full
-        model does. Only that row, cut after its last scored position, is run (causal: the same
-        values), so the check itself never holds more than one row's logits; in full precision
+        """Once per model: the chunked head must score the first row's first ``CHECK_TOKENS``
+        positions as the full model does. Only that prefix of the row is run (causal: the same
+        values), so the check holds at most CHECK_TOKENS positions' logits; in full precision
         (autocast off), so the two paths' kernels cannot differ by bf16 rounding."""
         width = inputs["input_ids"].shape[1]
-        first = src < width  # positions in row 0 of the [rows, width] output
+        first = src < min(width, self.CHECK_TOKENS)  # row 0's first positions of the output
         if not first.any():
             return  # row 0 scores nothing here: check on a later call
         cols = int(src[first].max()) + 1
