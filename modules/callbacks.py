@@ -340,9 +340,11 @@ class CheckpointOnInterrupt(L.Callback):
     ) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        from modules.guard import EXIT_CTRL_C, EXIT_SIGTERM
+        from modules.guard import EXIT_CTRL_C, EXIT_SIGTERM, ctrl_c_received
 
-        if isinstance(exception, KeyboardInterrupt):
+        # A Ctrl-C can lose the race to its own echo: the engine core dies of the same SIGINT
+        # and the step raises that error instead of KeyboardInterrupt (seen in CI under load).
+        if isinstance(exception, KeyboardInterrupt) or ctrl_c_received():
             code = EXIT_CTRL_C
         elif isinstance(exception, SIGTERMException):
             code = EXIT_SIGTERM

@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 
 EXIT_CTRL_C = 130  # 128 + SIGINT
 EXIT_SIGTERM = 143  # 128 + SIGTERM
+_CTRL_C_SEEN: list[int] = []  # SIGINTs received during the current guarded fit
+
+
+def ctrl_c_received() -> bool:
+    """Whether a Ctrl-C reached this process during the current fit: an error raised after it
+    (the engine core, in the same process group, dying of the same SIGINT first) is its echo."""
+    return bool(_CTRL_C_SEEN)
 
 
 def _record_ctrl_c(received: list[int]) -> Any:
@@ -59,7 +66,8 @@ def _record_ctrl_c(received: list[int]) -> Any:
 
 @contextmanager
 def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
-    received: list[int] = []
+    received = _CTRL_C_SEEN
+    received.clear()
     prev = _record_ctrl_c(received)
     try:
         yield

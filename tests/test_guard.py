@@ -67,3 +67,39 @@ def test_a_real_failure_is_not_mistaken_for_an_interrupt():
     assert isinstance(err, RuntimeError) and dm.torn_down == 1
     err, _ = run(raise_during(ValueError("x"), SystemExit(1)))
     assert isinstance(err, SystemExit) and err.code == 1
+
+
+def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_path):
+    """The engine core dies of the same SIGINT first, so the step raises its error instead of
+    KeyboardInterrupt: exit 130, and CheckpointOnInterrupt writes interrupted.ckpt anyway."""
+    import os
+    import signal
+
+    from modules.callbacks import CheckpointOnInterrupt
+    from modules.guard import ctrl_c_received
+
+    saved = []
+    trainer = SimpleNamespace(
+        global_rank=0,
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
+        strategy=SimpleNamespace(
+            launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
+        ),
+    )
+    cb = CheckpointOnInterrupt(str(tmp_path))
+
+    def body() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler records it, then raises KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass  # ...which, in the race, never reaches the training loop
+        assert ctrl_c_received()
+        err = RuntimeError("vLLM engine core died (EngineCore exit code -2)")
+        cb.on_exception(trainer, None, err)
+        raise err
+
+    err, dm = run(body)
+    assert isinstance(err, SystemExit) and err.code == EXIT_CTRL_C and dm.torn_down == 1
+    assert saved == [tmp_path / "interrupted.ckpt"]
+    err, _ = run(lambda: None)
+    assert err is None and not ctrl_c_received()  # cleared by the next fit
