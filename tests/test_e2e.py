@@ -203,8 +203,21 @@ def start(tmp_path: Path, model: Path, *overrides: str) -> subprocess.Popen:
         *overrides,
     ]
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    """Ctrl-C as from a terminal: a test suite started in the background (``cmd &`` from a
+    non-interactive shell) inherits SIGINT ignored, and the trainer would then ignore the
+    Ctrl-C the test sends while the engine core dies of it (exit 1 instead of 130)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_training(proc: subprocess.Popen, run_dir: Path, rows: int = 2) -> None:
