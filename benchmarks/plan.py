@@ -41,7 +41,7 @@ from pathlib import Path
 
 from benchmarks.pipeline import bounds, simulate
 from benchmarks.workload import Workload, fit, measured_samples_per_s, read_overrides
-from modules.config import build
+from modules.config import build, compose
 from modules.engine.sim import SimEngine, SimTask
 
 
@@ -126,26 +126,11 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
     }
 
 
-def compose_train(overrides: list[str]):
-    """The training config (``conf/train.yaml``) with these overrides, as train.py composes it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from modules.config import ROOT
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=overrides)
-    GlobalHydra.instance().clear()
-    return cfg
-
-
 def predict(work: Workload, overrides: list[str], seed: int = 0, steps: int | None = None) -> dict:
     """Simulate the training config ``overrides`` on a fitted workload (times in seconds).
     ``steps`` counts optimizer steps, as ``trainer.max_steps`` does; the simulator steps once per
     rollout batch, i.e. per ``algo.minibatches x algo.epochs`` optimizer steps."""
-    return predict_config(work, compose_train(overrides), seed, steps)
+    return predict_config(work, compose(overrides), seed, steps)
 
 
 def predict_config(work: Workload, cfg, seed: int = 0, steps: int | None = None) -> dict:
@@ -177,7 +162,7 @@ def run_config(run: Path, overrides: list[str]):
     from omegaconf import OmegaConf
 
     saved = run / ".hydra" / "config.yaml"
-    return OmegaConf.load(saved) if saved.exists() else compose_train(overrides)
+    return OmegaConf.load(saved) if saved.exists() else compose(overrides)
 
 
 def _without_seed(overrides: list[str]) -> tuple[str, ...]:
@@ -213,7 +198,7 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
     """The candidates on a run's fitted workload: its task, model, engine and batch (prompts,
     group size, max tokens, minibatches, epochs, sync cadence), other rollout configs."""
     first = (work.fit.get("runs") or [None])[0]
-    run = run_config(Path(first), work.overrides) if first else compose_train(work.overrides)
+    run = run_config(Path(first), work.overrides) if first else compose(work.overrides)
     keep = [
         o
         for o in work.overrides
@@ -229,7 +214,7 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
         f"data.sync_every={run.data.get('sync_every') or 1}",
         f"engine.max_num_seqs={run.engine.get('max_num_seqs')}",
     ]
-    base = compose_train(["recipe=sync_grpo", *keep])
+    base = compose(["recipe=sync_grpo", *keep])
     batch = int(base.rollout.prompts_per_step) * int(base.rollout.group_size)
     bound = work.bounds(batch, int(base.engine.get("max_num_seqs") or batch))["pipeline_bound_samples_per_s"]
     rows = []
