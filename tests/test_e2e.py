@@ -462,30 +462,19 @@ def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
     print(f"FAULT-TIMING trainer SIGKILL -> engine processes gone in {time.monotonic() - t0:.2f} s")
 
 
+def multirun(sweep_dir: Path, models: dict, *overrides: str) -> None:
+    """``train.py -m`` of the shrunk sync recipe into ``sweep_dir``; it must exit 0."""
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep_dir}", "recipe=sync_grpo", *SHRINK]
+    cmd += [f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask", "data.eval_size=0"]
+    proc = subprocess.run([*cmd, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, models):
     """``python train.py -m`` runs its jobs one after another in one process: after each job
     the engine is gone (0 children), the thread count is back to where it was, and the
     resident memory does not keep growing from job to job."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            f"hydra.sweep.dir={tmp_path}",
-            "recipe=sync_grpo",
-            *SHRINK,
-            f"model.path={models['tied']}",
-            "task._target_=tests.helpers.DigitShareTask",
-            "trainer.max_steps=2",
-            "data.eval_size=0",
-            "seed=0,1,2,3",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2,3")
     footprints = []
     for job in range(4):
         line = next(
@@ -506,27 +495,7 @@ def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(tmp_path, models):
     """``-m seed=0,1 trainer.devices=2``: Lightning relaunches rank 1 from ``sys.argv``, which in
     a multirun still holds the sweep (``modules/multirun.py``); each job must run once, on two
     ranks, in its own directory."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            f"hydra.sweep.dir={tmp_path}",
-            "recipe=sync_grpo",
-            *SHRINK,
-            f"model.path={models['tied']}",
-            "task._target_=tests.helpers.DigitShareTask",
-            "trainer.max_steps=1",
-            "data.eval_size=0",
-            "trainer.devices=2",
-            "seed=0,1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    multirun(tmp_path, models, "trainer.max_steps=1", "trainer.devices=2", "seed=0,1")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
     for job in ("0", "1"):
         for rank in (0, 1):
