@@ -66,7 +66,8 @@ def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
 
 def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
     """First alarm step of a fresh detector fed the run's logged metrics step by step, as the
-    monitor feeds it: trained steps only, from the step the delayed sync's lag reached K."""
+    monitor feeds it: trained steps only, the baseline from the step the delayed sync's lag
+    reached K (the ceilings from the first step)."""
     det = DriftDetector(**detector)
     by_step: dict[int, dict[str, float]] = {}
     for r in rows:
@@ -79,7 +80,7 @@ def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int |
         if "train/loss" not in m:
             continue  # not a trained step (an evaluation row)
         ramped = ramped or m.get("rollout/staleness_max", 0.0) >= lag
-        if ramped and det.update(m).alarm:
+        if det.update(m, learn=ramped).alarm:
             return step
     return None
 

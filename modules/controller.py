@@ -9,19 +9,23 @@ metrics to the ``DriftDetector`` and logs ``drift/score``, ``drift/alarm`` and `
 With ``actions`` it then acts on an alarm, one notch per action, at most once per ``cooldown``
 steps:
 
-* ``staleness``: lower the staleness bound by one version: ``rollout.max_staleness`` of a
-  partial / streaming rollout, or the delayed sync's ``callbacks.weight_sync.lag`` (floor 0).
-  Less lag is the cause removed, at the price of throughput (more dropped or waited-for groups).
+* ``staleness``: halve the staleness bound (``rollout.max_staleness`` of a partial / streaming
+  rollout, or the delayed sync's ``callbacks.weight_sync.lag``; 1 goes to 0). Less lag is the
+  cause removed, at the price of throughput (more dropped or waited-for groups). Halving, not
+  one version at a time: a run that alarms at K = 8 is typically still drifting at K = 7, and
+  one notch per ``cooldown`` steps would take 40 steps to get to K = 0.
 * ``lr``: multiply the learning rate by ``lr_factor`` (floor ``min_lr_scale`` of the configured
   rate). A smaller step keeps the current policy close to the behaviour policy whatever the lag.
 
-After ``relax_after`` consecutive steps with the score below half the threshold it undoes the
-most recent notch (the lr or the bound goes back to what it was before that notch), so a
-passing spike costs little. Under a delayed sync the detector waits until the lag has ramped
-up to K (its first K versions are less stale) before it fits its baseline; skipped
-(non-finite) steps are not fed to it. Every action is logged as ``controller/*`` metrics and on the console. The state
-(detector baseline, notches taken) is checkpointed. Under DDP every rank sees the same reduced
-metrics and takes the same decisions; only rank 0's rollout has a staleness bound to move.
+After ``relax_after`` consecutive steps with the score below half the threshold it relaxes the
+most recent notch: the lr goes back to its rate before that notch, the bound goes up by one
+version (back towards its value before the notch, which is then done): multiplicative
+decrease, additive increase, as TCP does with its window. Under a delayed sync the detector's
+baseline waits until the lag has ramped up to K (its first K versions are less stale); the
+absolute ceilings score from the first step. Skipped (non-finite) steps are not fed to it.
+Every action is logged as ``controller/*`` metrics and on the console. The state (detector,
+notches taken) is checkpointed. Under DDP every rank sees the same reduced metrics and takes
+the same decisions; only rank 0's rollout has a staleness bound to move.
 """
 
 from __future__ import annotations
@@ -87,7 +91,9 @@ class DriftCallback(L.Callback):
         self.relax_after = relax_after
         self.lr_scale = 1.0
         # actions taken and not undone, most recent last: ("lr", factor) or ("staleness", bound before)
-        self.notches: list[tuple[str, float]] = []
+        # ("lr", factor, 0) or ("staleness", bound before the cut, bound the cut started from:
+        # the smaller when a loose bound first came down to the staleness the run saw)
+        self.notches: list[tuple[str, float, float]] = []
         self.bound: int | None = None  # the staleness bound as the controller left it (None: untouched)
         self.since_action = cooldown
         self.healthy = 0
@@ -97,6 +103,7 @@ class DriftCallback(L.Callback):
         self._configured_bound: int | None = None
         self._observed_staleness: int | None = None
         self._ramp_done = True
+        self._resumed_ramp_done = False
 
     # ------------------------------------------------------------------ the knobs
     def _bound(self, trainer: L.Trainer) -> int | None:
@@ -121,7 +128,7 @@ class DriftCallback(L.Callback):
         self._lag_knob = ws if ws is not None and ws.lag > 0 else None
         self._configured_bound = self._bound(trainer)
         # A delayed sync's lag ramps 0..K over its first K versions: no baseline from the ramp.
-        self._ramp_done = self._lag_knob is None or self.detector.steps > 0
+        self._ramp_done = self._lag_knob is None or self._resumed_ramp_done
         if self.bound is not None and self._configured_bound is not None:
             self._set_bound(trainer, self.bound)
 
@@ -152,16 +159,13 @@ class DriftCallback(L.Callback):
         if not self._ramp_done:
             self._ramp_done = (self._observed_staleness or 0) >= self._lag_knob.lag  # type: ignore[union-attr]
         values = {"train/grad_norm": grad_norm}
-        if self._ramp_done:
-            reading = self.detector.update(metrics)
-            values.update({"drift/score": reading.score, "drift/alarm": float(reading.alarm)})
-            values.update({f"drift/z/{k}": v for k, v in reading.z.items()})
-            self.alarms += int(reading.alarm)
-            self.since_action += 1
-            if self.actions:
-                self._control(trainer, reading)
-        else:
-            values.update({"drift/score": 0.0, "drift/alarm": 0.0})
+        reading = self.detector.update(metrics, learn=self._ramp_done)
+        values.update({"drift/score": reading.score, "drift/alarm": float(reading.alarm)})
+        values.update({f"drift/z/{k}": v for k, v in reading.z.items()})
+        self.alarms += int(reading.alarm)
+        self.since_action += 1
+        if self.actions:
+            self._control(trainer, reading)
         if self.actions:
             values["controller/lr_scale"] = self.lr_scale
             bound = self._bound(trainer)
@@ -178,18 +182,19 @@ class DriftCallback(L.Callback):
             if "staleness" in self.actions:
                 before = self._bound(trainer)
                 bound = before
-                if bound is not None and self._observed_staleness is not None:
+                if bound is not None and self._observed_staleness is not None and self._lag_knob is None:
                     # a loose bound (partial rollout's default is unbounded) comes down to
-                    # what the run actually sees first, else the cut would change nothing
+                    # what the run actually sees first, else the cut would change nothing (a
+                    # delayed sync's lag is exact: during its ramp the run sees less of it)
                     bound = min(bound, self._observed_staleness)
                 if before is not None and bound is not None and bound > 0:
-                    self._set_bound(trainer, bound - 1)
-                    self.notches.append(("staleness", float(before)))
-                    done.append(f"staleness bound {before} -> {bound - 1}")
+                    self._set_bound(trainer, bound // 2)
+                    self.notches.append(("staleness", float(before), float(bound)))
+                    done.append(f"staleness bound {before} -> {bound // 2}")
             if "lr" in self.actions and self.lr_scale * self.lr_factor >= self.min_lr_scale - 1e-12:
                 scale_learning_rate(trainer, self.lr_factor)
                 self.lr_scale *= self.lr_factor
-                self.notches.append(("lr", self.lr_factor))
+                self.notches.append(("lr", self.lr_factor, 0.0))
                 done.append(f"lr x{self.lr_factor:g} (now {self.lr_scale:g} of configured)")
             if done:
                 self.since_action = 0
@@ -205,15 +210,20 @@ class DriftCallback(L.Callback):
         quiet = math.isfinite(reading.score) and reading.score < self.detector.threshold / 2
         self.healthy = self.healthy + 1 if quiet else 0
         if self.healthy >= self.relax_after and self.notches:
-            kind, value = self.notches.pop()
+            kind, value, start = self.notches[-1]
             if kind == "lr":
+                self.notches.pop()
                 scale_learning_rate(trainer, 1 / value)
                 self.lr_scale /= value
                 what = f"lr back to {self.lr_scale:g} of configured"
             else:
                 now = self._bound(trainer)
-                self._set_bound(trainer, int(value))
-                what = f"staleness bound {now} -> {int(value)}"
+                new = (now or 0) + 1
+                if new >= int(start):  # back where the cut started: the notch is undone
+                    new = int(value)
+                    self.notches.pop()
+                self._set_bound(trainer, new)
+                what = f"staleness bound {now} -> {new}"
             self.healthy = 0
             self.since_action = 0
             log.warning("drift quiet for %d steps at step %d: %s", self.relax_after, step, what)
@@ -227,6 +237,7 @@ class DriftCallback(L.Callback):
             "since_action": self.since_action,
             "healthy": self.healthy,
             "alarms": self.alarms,
+            "ramp_done": self._ramp_done,
         }
 
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
@@ -234,7 +245,8 @@ class DriftCallback(L.Callback):
         self.lr_scale = float(state_dict["lr_scale"])  # type: ignore[arg-type]
         bound = state_dict["bound"]
         self.bound = None if bound is None else int(bound)  # type: ignore[arg-type]
-        self.notches = [(str(k), float(v)) for k, v in state_dict["notches"]]  # type: ignore[union-attr]
+        self.notches = [(str(n[0]), float(n[1]), float(n[-1])) for n in state_dict["notches"]]  # type: ignore[union-attr]
         self.since_action = int(state_dict["since_action"])  # type: ignore[arg-type]
         self.healthy = int(state_dict["healthy"])  # type: ignore[arg-type]
         self.alarms = int(state_dict["alarms"])  # type: ignore[arg-type]
+        self._resumed_ramp_done = bool(state_dict.get("ramp_done", self.detector.steps > 0))
