@@ -1,11 +1,16 @@
-"""Peak trainer memory of one training forward + backward: full logits vs the chunked head.
+"""Peak trainer memory of one training forward + backward: full logits vs the chunked head,
+and the whole minibatch vs checkpointed micro-batches.
 
     python -m benchmarks.memory                          # vocab 151,936, 4 x 1,024 tokens
     python -m benchmarks.memory --vocab 32000 --tokens 2048 --chunks 512 4096
+    python -m benchmarks.memory --vocab 8192 --hidden 512 --layers 8 --rows 8 --micro 1 2
 
 Each configuration runs in a fresh process (peak RSS is per process): a tiny Qwen2 trunk
 (hidden 64, 2 layers) with a large vocabulary, so the output head and its logits dominate as
 they do for a 1.5B model at long context; ``logit_chunk`` null vs each ``--chunks`` value.
+``--micro M...`` adds, for each M, the last ``--chunks`` head with ``module.micro_batch_size=M``
+(``modules/microbatch.py``); a wider, deeper trunk (``--hidden``, ``--layers``) makes the
+trunk's activations, which micro-batches cut, the larger part.
 Prints one JSON line per configuration and a summary (peak RSS above the model's, MiB).
 """
 
@@ -18,18 +23,21 @@ import subprocess
 import sys
 
 
-def measure(vocab: int, rows: int, tokens: int, chunk: int | None) -> dict:
+def measure(
+    vocab: int, rows: int, tokens: int, chunk: int | None, micro: int | None, hidden: int, layers: int
+) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from modules.microbatch import MicroBatched
     from modules.packing import PaddedForward
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=False,
@@ -38,12 +46,16 @@ def measure(vocab: int, rows: int, tokens: int, chunk: int | None) -> dict:
     ids = torch.randint(3, vocab, (rows, tokens))
     mask = torch.ones_like(ids)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    logp, _ = PaddedForward(logit_chunk=chunk)(model, ids, mask, 1.0, True)
+    forward = PaddedForward(logit_chunk=chunk)
+    logp, _ = (forward if micro is None else MicroBatched(forward, micro))(model, ids, mask, 1.0, True)
     logp.sum().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "logit_chunk": chunk,
+        "micro_batch_size": micro,
         "vocab": vocab,
+        "hidden": hidden,
+        "layers": layers,
         "tokens": rows * tokens,
         "peak_mib_above_model": peak - base,
     }
@@ -55,27 +67,37 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024])
+    parser.add_argument("--micro", type=int, nargs="*", default=[], help="micro-batch sizes (sequences)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--one", type=str, help=argparse.SUPPRESS)  # internal: one measurement
     args = parser.parse_args()
+    shape = {"vocab": args.vocab, "rows": args.rows, "tokens": args.tokens}
+    shape.update(hidden=args.hidden, layers=args.layers)
     if args.one is not None:
-        chunk = None if args.one == "null" else int(args.one)
-        print(json.dumps(measure(args.vocab, args.rows, args.tokens, chunk)))
+        chunk, micro = (None if x == "null" else int(x) for x in args.one.split(","))
+        print(json.dumps(measure(chunk=chunk, micro=micro, **shape)))
         return
+    configs = [(None, None), *((c, None) for c in args.chunks), *((args.chunks[-1], m) for m in args.micro)]
     results = []
-    for chunk in [None, *args.chunks]:
-        cmd = [sys.executable, "-m", "benchmarks.memory", "--one", "null" if chunk is None else str(chunk)]
-        cmd += ["--vocab", str(args.vocab), "--rows", str(args.rows), "--tokens", str(args.tokens)]
+    for chunk, micro in configs:
+        one = ",".join("null" if x is None else str(x) for x in (chunk, micro))
+        cmd = [sys.executable, "-m", "benchmarks.memory", "--one", one]
+        cmd += [arg for k, v in shape.items() for arg in (f"--{k}", str(v))]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]))
+
+    def name(r: dict) -> str:
+        return f"chunk={r['logit_chunk']},micro={r['micro_batch_size']}"
+
     full = results[0]["peak_mib_above_model"]
     print(
         json.dumps(
             {
-                "summary": {str(r["logit_chunk"]): round(r["peak_mib_above_model"]) for r in results},
+                "summary": {name(r): round(r["peak_mib_above_model"]) for r in results},
                 "reduction": {
-                    str(r["logit_chunk"]): round(full / max(r["peak_mib_above_model"], 1e-9), 1)
-                    for r in results[1:]
+                    name(r): round(full / max(r["peak_mib_above_model"], 1e-9), 1) for r in results[1:]
                 },
             }
         )

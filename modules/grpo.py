@@ -33,6 +33,7 @@ from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
 from modules.kl_reward import KLRewardPenalty
 from modules.losses import PolicyLoss, batch_counts
+from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
 from modules.policy import disable_dropout, load_policy, named_weights
 from modules.schedules import optimizers
@@ -76,9 +77,14 @@ class GRPOModule(L.LightningModule):
         max_consecutive_skips: int = 3,
         kl_reward: KLRewardPenalty | None = None,
         forward: Any = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.forward_logprobs = forward if forward is not None else PackedForward()
+        forward = forward if forward is not None else PackedForward()
+        # null: the whole minibatch in one forward; else checkpointed micro-batches (same update)
+        self.forward_logprobs = (
+            forward if micro_batch_size is None else MicroBatched(forward, micro_batch_size)
+        )
         check("module.temperature", temperature, temperature > 0, "a float > 0")
         self.kl_reward = kl_reward or KLRewardPenalty()
         check(

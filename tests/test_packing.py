@@ -1,5 +1,7 @@
 """Padding-free training equals padded training: logprobs, loss and gradients, in float64.
 
+Micro-batched training (``modules/microbatch.py``) is one more layout here: the same numbers.
+
 The forward layouts of ``modules/packing.py`` (packed rows with restarting position ids,
 length-bucketed micro-batches) must give the padded computation's numbers for every loss the
 project can configure: each aggregation x each correction (and each objective under one
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from data.rollout.experience import Experience, collate
+from modules.microbatch import MicroBatched
 from modules.packing import BucketedForward, PackedForward, PaddedForward, first_fit_decreasing, pack_plan
 from tests.conftest import ROOT, compose
 
@@ -30,6 +33,10 @@ LAYOUTS = {
     "padded_logit_chunks": PaddedForward(logit_chunk=5),
     "packed_logit_chunks": PackedForward(logit_chunk=7),
     "bucketed_logit_chunks": BucketedForward(token_budget=40, logit_chunk=3),
+    # checkpointed micro-batches (modules/microbatch.py): uneven, one sequence, nested chunking
+    "micro_packed_3": MicroBatched(PackedForward(), 3),
+    "micro_padded_1": MicroBatched(PaddedForward(), 1),
+    "micro_bucketed_4_logit_chunks": MicroBatched(BucketedForward(token_budget=40, logit_chunk=3), 4),
 }
 
 

@@ -1,0 +1,110 @@
+"""Checkpointed micro-batches give the full minibatch's update, where plain accumulation does not.
+
+The equality for every aggregation x correction x objective is in ``tests/test_packing.py``
+(micro-batched layouts are part of its table); here: the case that motivates the design (a
+self-normalised correction, whose normaliser spans micro-batches), memory that is actually
+released, no-grad passes, and bad sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modules.config_errors import ConfigError
+from modules.microbatch import MicroBatched
+from modules.packing import PackedForward
+from tests.test_packing import build_loss, loss_and_grads, model64, ragged_batch  # noqa: F401
+
+
+def accumulated(model, loss_fn, batch, size: int) -> list[torch.Tensor]:
+    """Textbook gradient accumulation: one loss and backward per micro-batch, each with the
+    minibatch's normalisers (``totals``) so that plain token sums add up."""
+    from modules.losses import batch_counts
+
+    model.zero_grad()
+    totals = batch_counts(batch["loss_mask"]).double()
+    b = batch["input_ids"].shape[0]
+    for s in range(0, b, size):
+        rows = slice(s, s + size)
+        logp, _ = PackedForward()(model, batch["input_ids"][rows], batch["attention_mask"][rows], 0.8)
+        with torch.no_grad():
+            old = PackedForward()(model, batch["input_ids"][rows], batch["attention_mask"][rows], 0.8)[0]
+        loss, _ = loss_fn(
+            logp,
+            batch["behavior_logprobs"][rows],
+            batch["advantages"][rows],
+            batch["loss_mask"][rows],
+            weights=batch["weights"][rows],
+            staleness=batch["staleness"][rows],
+            totals=totals,
+            old_logp=old,
+        )
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_self_normalised_correction_same_update_where_accumulation_is_not(model64):  # noqa: F811
+    loss_fn = build_loss(
+        ["algo/correction=tis", "algo.correction.self_normalize=true", "algo.loss.anchor=decoupled"]
+    )
+    batch = ragged_batch(seed=4)
+    _, _, full = loss_and_grads(model64, loss_fn, PackedForward(), batch)
+    _, _, micro = loss_and_grads(model64, loss_fn, MicroBatched(PackedForward(), 3), batch)
+    for g, r in zip(micro, full):
+        assert torch.allclose(g, r, rtol=1e-9, atol=1e-12)
+    naive = accumulated(model64, loss_fn, batch, 3)
+    gap = max(float((g - r).abs().max()) for g, r in zip(naive, full))
+    assert gap > 1e-6  # the per-micro-batch mean weight is not the minibatch's
+
+
+def test_no_grad_passes_run_micro_batches_without_checkpointing(model64):  # noqa: F811
+    batch = ragged_batch(seed=5)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        ref, ref_ent = PackedForward()(model64, ids, am, 1.0, with_entropy=True)
+        got, ent = MicroBatched(PackedForward(), 4)(model64, ids, am, 1.0, with_entropy=True)
+    assert not got.requires_grad
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12) and torch.allclose(ent, ref_ent, rtol=0, atol=1e-12)
+
+
+def test_activations_saved_for_backward_scale_with_the_micro_batch(model64):  # noqa: F811
+    """What autograd keeps between forward and backward: with micro-batches of 1, only the
+    checkpoints' inputs (a few bytes per token), not every layer's activations."""
+    batch = ragged_batch(seed=6, n=12)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+
+    def saved_bytes(layout) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            if not isinstance(t, torch.nn.Parameter):
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, _ = layout(model64, ids, am, 1.0)
+        logp.sum().backward()
+        return total
+
+    full = saved_bytes(PackedForward())
+    micro = saved_bytes(MicroBatched(PackedForward(), 1))
+    assert micro < full / 5, (micro, full)
+
+
+@pytest.mark.parametrize("size", [0, -2, 1.5, True, "4"])
+def test_bad_micro_batch_size_names_the_field(size):
+    with pytest.raises(ConfigError, match="module.micro_batch_size"):
+        MicroBatched(PackedForward(), size)
+
+
+def test_module_config_builds_the_micro_batched_forward():
+    from modules.config import build
+    from tests.conftest import compose
+
+    cfg = compose(["module.micro_batch_size=2"])
+    cfg.module.model_path = "unused"  # the policy loads in configure_model, not here
+    module = build(cfg.module)
+    assert isinstance(module.forward_logprobs, MicroBatched) and module.forward_logprobs.size == 2
+    assert isinstance(build(compose([]).module).forward_logprobs, PackedForward)
