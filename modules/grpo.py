@@ -78,8 +78,16 @@ class GRPOModule(L.LightningModule):
         kl_reward: KLRewardPenalty | None = None,
         forward: Any = None,
         micro_batch_size: int | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        check(
+            "module.gradient_checkpointing",
+            gradient_checkpointing,
+            isinstance(gradient_checkpointing, bool),
+            "true or false",
+        )
+        self.gradient_checkpointing = gradient_checkpointing
         forward = forward if forward is not None else PackedForward()
         # null: the whole minibatch in one forward; else checkpointed micro-batches (same update)
         self.forward_logprobs = (
@@ -131,6 +139,8 @@ class GRPOModule(L.LightningModule):
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(self.model_path)
             disable_dropout(self.policy)  # on-policy, the ratio must be exactly 1
+            if self.gradient_checkpointing:  # each decoder layer's activations recomputed in backward
+                self.policy.gradient_checkpointing_enable({"use_reentrant": False})
             self.policy.train()
         if self.ref_model_path and self.ref_policy is None:
             ref, _ = load_policy(self.ref_model_path)

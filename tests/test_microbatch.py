@@ -108,3 +108,34 @@ def test_module_config_builds_the_micro_batched_forward():
     module = build(cfg.module)
     assert isinstance(module.forward_logprobs, MicroBatched) and module.forward_logprobs.size == 2
     assert isinstance(build(compose([]).module).forward_logprobs, PackedForward)
+
+
+def test_trunk_gradient_checkpointing_gives_the_same_update(model64):  # noqa: F811
+    """``module.gradient_checkpointing``: transformers' per-layer recompute, alone and inside
+    micro-batches, changes no logprob, loss or gradient."""
+    import copy
+
+    loss_fn = build_loss(["algo/correction=tis", "algo.loss.anchor=decoupled"])
+    batch = ragged_batch(seed=7)
+    ref_loss, _, ref = loss_and_grads(model64, loss_fn, PackedForward(), batch)
+    ckpt = copy.deepcopy(model64)
+    ckpt.gradient_checkpointing_enable({"use_reentrant": False})
+    assert ckpt.is_gradient_checkpointing
+    for layout in (PackedForward(), MicroBatched(PackedForward(), 4)):
+        loss, _, grads = loss_and_grads(ckpt, loss_fn, layout, batch)
+        assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=1e-12)
+        for g, r in zip(grads, ref):
+            assert torch.allclose(g, r, rtol=1e-9, atol=1e-12)
+
+
+def test_module_enables_gradient_checkpointing_from_config(models):
+    from modules.config import build
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match="module.gradient_checkpointing"):
+        build(compose(["module.gradient_checkpointing=3"]).module)
+    cfg = compose(["module.gradient_checkpointing=true", "module.ref_model_path=null", "algo.loss.kl_coef=0"])
+    cfg.module.model_path = str(models["untied"])
+    module = build(cfg.module)
+    module.configure_model()
+    assert module.policy.is_gradient_checkpointing and module.policy.training
