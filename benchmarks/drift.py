@@ -79,8 +79,7 @@ def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int |
         m = by_step[step]
         if "train/loss" not in m:
             continue  # not a trained step (an evaluation row)
-        target = min(lag, m.get("controller/staleness_bound", lag))  # a controller may lower it
-        ramped = ramped or m.get("rollout/staleness_max", 0.0) >= target
+        ramped = ramped or m.get("rollout/staleness_max", 0.0) >= lag  # the configured K
         if det.update(m, learn=ramped).alarm:
             return step
     return None

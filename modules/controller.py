@@ -156,8 +156,9 @@ class DriftCallback(L.Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["train/grad_norm"] = grad_norm
         self._observed(trainer, pl_module, metrics)
-        if not self._ramp_done:
-            self._ramp_done = (self._observed_staleness or 0) >= self._lag_knob.lag  # type: ignore[union-attr]
+        if not self._ramp_done:  # at the configured K: a lag the controller cut during the ramp
+            # must relax back before a baseline is fitted, else K's own level would read as drift
+            self._ramp_done = (self._observed_staleness or 0) >= (self._configured_bound or 0)
         values = {"train/grad_norm": grad_norm}
         reading = self.detector.update(metrics, learn=self._ramp_done)
         values.update({"drift/score": reading.score, "drift/alarm": float(reading.alarm)})
@@ -207,7 +208,9 @@ class DriftCallback(L.Callback):
                 )
             self.healthy = 0
             return
-        quiet = math.isfinite(reading.score) and reading.score < self.detector.threshold / 2
+        # quiet: the relative score well below the threshold and no signal at its ceiling (a
+        # steady clip fraction at half its ceiling is healthy, not a reason to stay cut)
+        quiet = reading.relative < self.detector.threshold / 2 and reading.ceiling < self.detector.threshold
         self.healthy = self.healthy + 1 if quiet else 0
         if self.healthy >= self.relax_after and self.notches:
             kind, value, start = self.notches[-1]
@@ -245,7 +248,12 @@ class DriftCallback(L.Callback):
         self.lr_scale = float(state_dict["lr_scale"])  # type: ignore[arg-type]
         bound = state_dict["bound"]
         self.bound = None if bound is None else int(bound)  # type: ignore[arg-type]
-        self.notches = [(str(n[0]), float(n[1]), float(n[-1])) for n in state_dict["notches"]]  # type: ignore[union-attr]
+        # (kind, value) notches of older checkpoints: the next relaxation restores the value
+        start = float((self.bound or 0) + 1)
+        self.notches = [
+            (str(n[0]), float(n[1]), float(n[2]) if len(n) > 2 else start)
+            for n in state_dict["notches"]  # type: ignore[union-attr]
+        ]
         self.since_action = int(state_dict["since_action"])  # type: ignore[arg-type]
         self.healthy = int(state_dict["healthy"])  # type: ignore[arg-type]
         self.alarms = int(state_dict["alarms"])  # type: ignore[arg-type]

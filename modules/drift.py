@@ -15,8 +15,8 @@ signal is compared with *its own* level over the first ``warmup`` steps of the r
 * each signal is put on a scale where drift is additive (``log`` for positive, heavy-tailed
   ones such as the behaviour KL or the gradient norm), and oriented so that rising is bad
   (``direction=-1`` flips the ESS fraction, which falls when weights degenerate);
-* the first ``skip`` steps are left out of the relative score (``modules.controller`` also holds it back
-  while a delayed sync's lag ramps up to K);
+* the first ``skip`` learning steps are left out of the relative score (``update(learn=False)``
+  steps, e.g. while a delayed sync's lag ramps up to K, do not count and are left out too);
 * the baseline is the warm-up median and a robust spread (1.4826 x MAD, floored at
   ``min_scale`` so a flat warm-up does not turn noise into alarms);
 * z_t = direction * (x_t - median) / spread, smoothed by an EWMA (``alpha``) so one noisy batch
@@ -95,6 +95,8 @@ class DriftReading:
     alarm: bool  # patience consecutive steps over threshold
     driver: str | None  # the signal with the largest z
     z: dict[str, float] = field(default_factory=dict)
+    relative: float = 0.0  # the largest smoothed z against the baselines (0 before they exist)
+    ceiling: float = 0.0  # the largest ceiling score (threshold at a ceiling)
 
 
 class DriftDetector:
@@ -125,6 +127,13 @@ class DriftDetector:
         )
         check("callbacks.drift.detector.signals", list(signals), len(signals) > 0, "at least one signal")
         check("callbacks.drift.detector.skip", skip, isinstance(skip, int) and skip >= 0, "an int >= 0")
+        for sig in signals:
+            check(
+                f"callbacks.drift.detector.signals[{sig.key}].ceiling",
+                sig.ceiling,
+                sig.ceiling is None or sig.ceiling > 0,
+                "null or a float > 0",
+            )
         self.signals = tuple(signals)
         self.warmup = warmup
         self.threshold = threshold
@@ -136,6 +145,7 @@ class DriftDetector:
         self.smoothed: dict[str, float] = {}
         self.level: dict[str, float] = {}  # EWMA of the raw values of signals with a ceiling
         self.steps = 0
+        self.learned = 0  # steps fed with learn=True
         self.over = 0  # consecutive steps above threshold
 
     def _z(self, sig: Signal, x: float) -> float:
@@ -160,18 +170,22 @@ class DriftDetector:
         and the relative score is not computed; the ceilings still are."""
         step = self.steps
         self.steps += 1
+        learned = self.learned  # steps fed with learn=True before this one: ``skip`` counts these
+        self.learned += int(learn)
         z: dict[str, float] = {}
+        rel: dict[str, float] = {}
+        cap: dict[str, float] = {}
         for sig in self.signals:
             if sig.key not in metrics:
                 continue
             x = float(metrics[sig.key])
             if sig.ceiling is not None:
-                z[sig.key] = (
+                cap[sig.key] = (
                     sig.over_ceiling(self._ema(self.level, sig.key, x), self.threshold)
                     if math.isfinite(x)
                     else 2 * self.threshold
                 )
-            if step < self.skip or not learn:
+            if not learn or learned < self.skip:
                 continue
             if sig.key not in self.baseline:
                 if math.isfinite(x):
@@ -179,12 +193,21 @@ class DriftDetector:
                 if len(self.history[sig.key]) >= self.warmup:
                     self._fit(sig)
                 continue
-            zi = self._ema(self.smoothed, sig.key, self._z(sig, x), first=0.0)
-            z[sig.key] = max(zi, z.get(sig.key, -math.inf))
+            rel[sig.key] = self._ema(self.smoothed, sig.key, self._z(sig, x), first=0.0)
+        for key in {**rel, **cap}:
+            z[key] = max(rel.get(key, -math.inf), cap.get(key, -math.inf))
         score = max(z.values(), default=0.0)
         self.over = self.over + 1 if score > self.threshold else 0
         driver = max(z, key=z.get) if z else None  # type: ignore[arg-type]
-        return DriftReading(step, score, self.over >= self.patience, driver, z)
+        return DriftReading(
+            step,
+            score,
+            self.over >= self.patience,
+            driver,
+            z,
+            relative=max(rel.values(), default=0.0),
+            ceiling=max(cap.values(), default=0.0),
+        )
 
     def state_dict(self) -> dict[str, object]:
         return {
@@ -193,6 +216,7 @@ class DriftDetector:
             "smoothed": self.smoothed,
             "level": self.level,
             "steps": self.steps,
+            "learned": self.learned,
             "over": self.over,
         }
 
@@ -202,4 +226,5 @@ class DriftDetector:
         self.smoothed = dict(state["smoothed"])  # type: ignore[arg-type]
         self.level = dict(state.get("level", {}))  # type: ignore[arg-type]
         self.steps = int(state["steps"])  # type: ignore[arg-type]
+        self.learned = int(state.get("learned", self.steps))  # type: ignore[arg-type]
         self.over = int(state["over"])  # type: ignore[arg-type]

@@ -48,7 +48,11 @@ class MicroBatched:
         self.size = size
 
     def __getattr__(self, name: str) -> Any:  # the wrapped strategy's attributes (head, ...)
-        return getattr(self.__dict__["forward"], name)
+        try:
+            forward = self.__dict__["forward"]
+        except KeyError:  # half-built (copy, pickle): no such attribute yet
+            raise AttributeError(name) from None
+        return getattr(forward, name)
 
     def __call__(
         self,

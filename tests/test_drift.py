@@ -388,3 +388,75 @@ def test_staleness_halves_on_alarm_and_relaxes_one_version_at_a_time():
     low = seen.index(min(seen))  # (the smoothed KL takes a few steps to fall: one more cut)
     assert seen[low:] == list(range(min(seen), 9))  # +1 per relax_after quiet steps, back to 8
     assert not cb.notches
+
+
+def test_a_cut_during_the_lag_ramp_relaxes_back_to_k_and_the_baseline_is_fitted_there():
+    # K = 8; a KL spike in the first steps cuts the lag during the ramp; afterwards the KL is
+    # healthy but grows with the lag (0.002 s^2: 10x below its ceiling at K). The baseline must
+    # wait for the configured K, so relaxing back towards K does not read as drift.
+    cb, trainer, module, ws, opt, sched, logged = make_run(
+        lag=8, relax_after=10, cooldown=5, actions=["staleness"]
+    )
+    rng = random.Random(0)
+    s = 0
+    for t in range(400):
+        s = min(s + 1, ws.lag)  # the staleness the run sees ramps one version per step, up to the lag
+        kl = (2.0 if t < 3 else 0.002 * s * s) * rng.uniform(0.9, 1.1)
+        feed(cb, trainer, module, logged, {"train/kl_behavior": kl, "rollout/staleness_max": float(s)})
+    assert cb.alarms > 0 and ws.lag == 8 and not cb.notches
+    assert cb.detector.baseline  # fitted, and at K: the KL there is 0.002 * 64
+    assert math.exp(cb.detector.baseline["train/kl_behavior"][0]) == pytest.approx(0.128, rel=0.15)
+
+
+def test_a_signal_below_its_ceiling_does_not_block_relaxation():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, relax_after=5, actions=["lr"])
+    for _ in range(20):
+        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 4.0})
+    assert cb.lr_scale < 1
+    for _ in range(300):  # healthy, with a steady clip fraction at 0.6 of its ceiling
+        out = feed(
+            cb,
+            trainer,
+            module,
+            logged,
+            {"train/kl_behavior": 1e-3, "train/clip_frac": 0.12, "rollout/staleness_max": 4.0},
+        )
+    assert out["drift/alarm"] == 0.0 and cb.lr_scale == pytest.approx(1.0) and not cb.notches
+
+
+def test_notches_of_an_older_checkpoint_relax_in_one_step_as_they_did():
+    cb, trainer, module, ws, opt, sched, logged = make_run(
+        bound=1_000_000, relax_after=2, actions=["staleness", "lr"]
+    )
+    state = cb.state_dict()
+    state.update(bound=2, notches=[["lr", 0.5], ["staleness", 1_000_000.0]], lr_scale=0.5)
+    state.pop("ramp_done")
+    cb2, trainer2, module2, ws2, opt2, sched2, logged2 = make_run(
+        bound=1_000_000, relax_after=2, actions=["staleness", "lr"]
+    )
+    cb2.load_state_dict(state)
+    cb2.on_fit_start(trainer2, module2)
+    assert trainer2.datamodule.bound == 2
+    for _ in range(20):
+        feed(cb2, trainer2, module2, logged2, {"train/kl_behavior": 1e-4, "rollout/staleness_max": 1.0})
+    assert trainer2.datamodule.bound == 1_000_000 and not cb2.notches
+
+
+@pytest.mark.parametrize("ceiling", [0.0, -1.0])
+def test_bad_ceiling_names_the_signal(ceiling):
+    from modules.drift import Signal
+
+    with pytest.raises(ConfigError, match=r"signals\[x\]\.ceiling"):
+        DriftDetector(signals=[Signal("x", ceiling=ceiling)])
+
+
+def test_skip_counts_learning_steps_only():
+    det = DriftDetector(skip=3, warmup=3)
+    for _ in range(5):
+        det.update({"train/clip_frac": 0.01}, learn=False)  # a ramp: not counted
+    assert det.learned == 0 and not det.history["train/clip_frac"]
+    for _ in range(3):
+        det.update({"train/clip_frac": 0.01})  # the skipped learning steps
+    assert not det.history["train/clip_frac"]
+    det.update({"train/clip_frac": 0.01})
+    assert len(det.history["train/clip_frac"]) == 1

@@ -252,3 +252,25 @@ def test_bad_row_settings_name_the_field():
         PackedForward(row_tokens=1)
     with pytest.raises(ConfigError, match="module.forward.token_budget"):
         BucketedForward(token_budget=0)
+
+
+def test_first_use_check_passes_under_bf16_autocast():
+    """trainer.precision=bf16-mixed runs the forward under autocast: the packed-vs-padded check
+    must compare in the parameters' precision, not fail on bf16 rounding and blame attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+    )
+    model = Qwen2ForCausalLM(cfg).train()
+    batch = ragged_batch(seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = PackedForward()(model, batch["input_ids"], batch["attention_mask"], 1.0)
+    assert torch.isfinite(logp).all()
