@@ -158,6 +158,36 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
     }
 
 
+TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
+
+
+def plot_trajectories(runs: dict[str, Path], path: Path) -> None:
+    """One line per run for each diagnostic over training steps (log scale for the KL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TRAJECTORY_KEYS), figsize=(4.2 * len(TRAJECTORY_KEYS), 3.6))
+    for label, run_dir in runs.items():
+        rows = [r for r in read_metrics(run_dir) if r.get("step") and r.get("train/loss")]
+        for ax, key in zip(axes, TRAJECTORY_KEYS):
+            pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+            ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], label=label, lw=1)
+    for ax, key in zip(axes, TRAJECTORY_KEYS):
+        ax.set_title(key)
+        ax.set_xlabel("optimizer step")
+        if key == "train/kl_behavior":
+            ax.set_yscale("log")
+            ax.axhline(0.2, color="k", ls=":", lw=0.8)  # the detector's ceiling
+        if key == "drift/score":
+            ax.axhline(4.0, color="k", ls=":", lw=0.8)  # the alarm threshold
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8])
@@ -194,6 +224,16 @@ def main() -> None:
     result = table(out, specs, args.seeds, args.drop, detector)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
+    runs = {
+        f"{spec.partition(':')[2].split(',callbacks/drift')[0]} s{seed}": out
+        / run_dir_name(spec)
+        / f"seed{seed}"
+        for spec in specs
+        for seed in args.seeds
+        if (out / run_dir_name(spec) / f"seed{seed}" / "metrics.csv").exists()
+    }
+    if runs:
+        plot_trajectories(runs, out / "trajectories.png")
     print(json.dumps(result))
 
 
