@@ -158,6 +158,22 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
     }
 
 
+def short(spec: str) -> str:
+    """'K=8 tis decoupled +controller' for a cell spec."""
+    out = []
+    for part in spec.partition(":")[2].split(","):
+        key, _, value = part.partition("=")
+        if key == "callbacks.weight_sync.lag":
+            out.append(f"K={value}")
+        elif key in ("algo/correction", "algo.loss.anchor"):
+            out.append(value)
+        elif key == "callbacks/drift":
+            out.append("+controller" if value == "controller" else "")
+        else:
+            out.append(part)
+    return " ".join(o for o in out if o)
+
+
 TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
 
 
@@ -225,9 +241,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     runs = {
-        f"{spec.partition(':')[2].split(',callbacks/drift')[0]} s{seed}": out
-        / run_dir_name(spec)
-        / f"seed{seed}"
+        f"{short(spec)} s{seed}": out / run_dir_name(spec) / f"seed{seed}"
         for spec in specs
         for seed in args.seeds
         if (out / run_dir_name(spec) / f"seed{seed}" / "metrics.csv").exists()
