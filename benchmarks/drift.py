@@ -5,6 +5,7 @@
     python -m benchmarks.drift --mismatch                          # bf16 engine, float32 trainer
     python -m benchmarks.drift --controller                        # + callbacks/drift=controller
     python -m benchmarks.drift --analyze outputs/bench/drift       # re-read finished runs
+    python -m benchmarks.drift --replay outputs/bench/modes5/*/seed*   # the detector on any runs
 
 Each cell is ``sync_grpo`` with a delayed weight sync (``callbacks.weight_sync.lag=K``: every
 trained token exactly K versions old) and a correction: ``none`` keeps the bypass anchor (pi_old
@@ -216,6 +217,9 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=4.0)
     parser.add_argument("--patience", type=int, default=2)
     parser.add_argument("--analyze", type=Path, help="only re-read the runs under this directory")
+    parser.add_argument(
+        "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
@@ -224,6 +228,12 @@ def main() -> None:
         specs = [cell_spec(0, c, ["engine.dtype=bfloat16"], ctl) for c in args.corrections or MISMATCH]
     else:
         specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.corrections or CORRECTIONS]
+    if args.replay:  # false alarms on runs of any recipe (their metrics.csv)
+        detector = {"threshold": args.threshold, "patience": args.patience}
+        alarms = {str(r): replay(read_metrics(r), 0, **detector) for r in args.replay}
+        fired = {k: v for k, v in alarms.items() if v is not None}
+        print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
+        return
     out = args.analyze or args.out
     if not args.analyze:
         for spec in specs:
