@@ -98,7 +98,13 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
         cb.on_exception(trainer, None, err)
         raise err
 
-    err, dm = run(body)
+    # a suite started in the background inherits SIGINT ignored (the guard then leaves it so):
+    # this test is about an interactive Ctrl-C, so give the process Python's default handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        err, dm = run(body)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert isinstance(err, SystemExit) and err.code == EXIT_CTRL_C and dm.torn_down == 1
     assert saved == [tmp_path / "interrupted.ckpt"]
     err, _ = run(lambda: None)
