@@ -178,7 +178,7 @@ def drift_panel(a: object, b: object, rows: list[dict[str, float]]) -> None:
             b.legend(loc="upper left", fontsize=8)
         else:
             b.text(0.5, 0.5, "monitor only: no controller actions", ha="center", transform=b.transAxes)
-    a.set_title("drift score (robust z) and alarms")
+    a.set_title("drift score (robust z or ceiling) and alarms")
     a.set_xlabel("step")
     b.set_title("controller: lr scale and staleness bound")
     b.set_xlabel("step")
