@@ -134,3 +134,20 @@ def test_an_unplaced_auto_engine_refuses_to_start(tmp_path):
     with pytest.raises(EngineError, match="engine.gpu_ids=auto"):
         eng.start()
     assert not eng.started
+
+
+def test_the_default_cpu_run_on_a_gpu_node_says_how_to_use_the_gpus(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="modules.engine.gpus"):
+        assert place_gpus(compose(["recipe=async_grpo", "trainer.devices=8"]), device_count=8, env={}) is None
+    assert any("trainer=gpu engine=vllm_gpu" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="modules.engine.gpus"):
+        place_gpus(compose([]), device_count=0, env={})  # a CPU machine: nothing to say
+    assert not caplog.records
+
+
+def test_sft_on_gpus_places_no_engine():
+    cfg = compose(["recipe=sft_warmup", "trainer=gpu", "trainer.devices=8"])
+    assert place_gpus(cfg, device_count=8, env={}) is None and cfg.trainer.devices == 8

@@ -25,6 +25,7 @@ on a GPU here (no GPU in CI).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -141,6 +142,13 @@ def place_gpus(
     accelerator = cfg.trainer.get("accelerator")
     engine = cfg.engine
     if not wants_gpus(accelerator, device_count):
+        if device_count > 0:  # explicit opt-in to GPUs, but say so: a CPU run here is rarely meant
+            logging.getLogger(__name__).warning(
+                "this node has %d CUDA GPU(s) and the run trains on CPU (trainer.accelerator=%s, "
+                "engine on CPU); for GPUs: trainer=gpu engine=vllm_gpu (README, 'On a GPU node')",
+                device_count,
+                accelerator,
+            )
         check(
             "engine.gpu_ids",
             engine.get("gpu_ids"),
@@ -149,6 +157,8 @@ def place_gpus(
         )
         return None
     check("trainer.accelerator", accelerator, device_count > 0, "cpu on a machine without a CUDA GPU")
+    if not str(cfg.get("module", {}).get("_target_", "")).endswith("GRPOModule"):
+        return None  # no engine to place (recipe=sft_warmup): the trainer takes trainer.devices
     fits, batch = _splitter(cfg)
     devices = cfg.trainer.get("devices")
     devices = OmegaConf.to_container(devices) if OmegaConf.is_list(devices) else devices
