@@ -230,7 +230,8 @@ def main() -> None:
         specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.corrections or CORRECTIONS]
     if args.replay:  # false alarms on runs of any recipe (their metrics.csv)
         detector = {"threshold": args.threshold, "patience": args.patience}
-        alarms = {str(r): replay(read_metrics(r), 0, **detector) for r in args.replay}
+        runs = [r for r in args.replay if (r / "metrics.csv").exists()]
+        alarms = {str(r): replay(read_metrics(r), 0, **detector) for r in runs}
         fired = {k: v for k, v in alarms.items() if v is not None}
         print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
         return
