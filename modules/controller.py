@@ -17,10 +17,12 @@ steps:
 * ``lr``: multiply the learning rate by ``lr_factor`` (floor ``min_lr_scale`` of the configured
   rate). A smaller step keeps the current policy close to the behaviour policy whatever the lag.
 
-After ``relax_after`` consecutive steps with the score below half the threshold it relaxes the
-most recent notch: the lr goes back to its rate before that notch, the bound goes up by one
-version (back towards its value before the notch, which is then done): multiplicative
-decrease, additive increase, as TCP does with its window. Under a delayed sync the detector's
+After ``relax_after`` consecutive quiet steps (relative score below half the threshold, no
+signal at its ceiling) it relaxes the most recent notch by one step: the bound up by one
+version (back towards its value before the cut, which is then done), the lr up by a
+``lr_relax_steps``-th of its cut (x2^(1/4) per step for a halving): multiplicative
+decrease, slow increase, as TCP does with its window (a relaxed lr that at once brings the
+drift back undoes the rescue: measured, docs/estimators.md). Under a delayed sync the detector's
 baseline waits until the lag has ramped up to K (its first K versions are less stale); the
 absolute ceilings score from the first step. Skipped (non-finite) steps are not fed to it.
 Every action is logged as ``controller/*`` metrics and on the console. The state (detector,
@@ -68,6 +70,7 @@ class DriftCallback(L.Callback):
         min_lr_scale: float = 0.125,
         cooldown: int = 5,
         relax_after: int = 20,
+        lr_relax_steps: int = 4,
     ) -> None:
         actions = list(actions or [])
         for a in actions:
@@ -83,6 +86,13 @@ class DriftCallback(L.Callback):
             isinstance(relax_after, int) and relax_after >= 1,
             "an int >= 1 (healthy steps before a notch is undone)",
         )
+        check(
+            "callbacks.drift.lr_relax_steps",
+            lr_relax_steps,
+            isinstance(lr_relax_steps, int) and lr_relax_steps >= 1,
+            "an int >= 1 (relaxations that undo one lr cut)",
+        )
+        self.lr_relax_steps = lr_relax_steps
         self.detector = detector
         self.actions = actions
         self.lr_factor = lr_factor
@@ -91,8 +101,8 @@ class DriftCallback(L.Callback):
         self.relax_after = relax_after
         self.lr_scale = 1.0
         # actions taken and not undone, most recent last: ("lr", factor) or ("staleness", bound before)
-        # ("lr", factor, 0) or ("staleness", bound before the cut, bound the cut started from:
-        # the smaller when a loose bound first came down to the staleness the run saw)
+        # ("lr", factor, relaxations of it done) or ("staleness", bound before the cut, bound the
+        # cut started from: the smaller when a loose bound first came down to what the run saw)
         self.notches: list[tuple[str, float, float]] = []
         self.bound: int | None = None  # the staleness bound as the controller left it (None: untouched)
         self.since_action = cooldown
@@ -214,11 +224,16 @@ class DriftCallback(L.Callback):
         self.healthy = self.healthy + 1 if quiet else 0
         if self.healthy >= self.relax_after and self.notches:
             kind, value, start = self.notches[-1]
-            if kind == "lr":
-                self.notches.pop()
-                scale_learning_rate(trainer, 1 / value)
-                self.lr_scale /= value
-                what = f"lr back to {self.lr_scale:g} of configured"
+            if kind == "lr":  # back by one lr_relax_steps-th of the cut (geometric)
+                up = value ** (-1 / self.lr_relax_steps)
+                done = int(start) + 1
+                if done >= self.lr_relax_steps:
+                    self.notches.pop()
+                else:
+                    self.notches[-1] = (kind, value, float(done))
+                scale_learning_rate(trainer, up)
+                self.lr_scale *= up
+                what = f"lr up to {self.lr_scale:.3g} of configured"
             else:
                 now = self._bound(trainer)
                 new = (now or 0) + 1

@@ -460,3 +460,26 @@ def test_skip_counts_learning_steps_only():
     assert not det.history["train/clip_frac"]
     det.update({"train/clip_frac": 0.01})
     assert len(det.history["train/clip_frac"]) == 1
+
+
+def test_an_lr_cut_is_undone_in_lr_relax_steps_geometric_steps():
+    cb, trainer, module, ws, opt, sched, logged = make_run(
+        lag=4, relax_after=3, actions=["lr"], lr_relax_steps=4
+    )
+    for _ in range(4):  # one alarm, one cut (cooldown 5)
+        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 4.0})
+    assert cb.lr_scale == pytest.approx(0.5) and len(cb.notches) == 1
+    scales = []  # (the smoothed KL takes a few steps to fall: it may cut once more first)
+    for _ in range(100):
+        feed(cb, trainer, module, logged, {"train/kl_behavior": 1e-3, "rollout/staleness_max": 4.0})
+        if not scales or cb.lr_scale != scales[-1]:
+            scales.append(cb.lr_scale)
+        if not cb.notches:
+            break
+    low = scales.index(min(scales))
+    ups = [b / a for a, b in zip(scales[low:], scales[low + 1 :])]
+    cuts = round(math.log2(1 / min(scales)))
+    assert ups == pytest.approx([2**0.25] * 4 * cuts) and cb.lr_scale == pytest.approx(1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match="callbacks.drift.lr_relax_steps"):
+        make_run(lr_relax_steps=0)
