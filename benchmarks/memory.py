@@ -9,8 +9,9 @@ Each configuration runs in a fresh process (peak RSS is per process): a tiny Qwe
 (hidden 64, 2 layers) with a large vocabulary, so the output head and its logits dominate as
 they do for a 1.5B model at long context; ``logit_chunk`` null vs each ``--chunks`` value.
 ``--micro M...`` adds, for each M, the last ``--chunks`` head with ``module.micro_batch_size=M``
-(``modules/microbatch.py``); a wider, deeper trunk (``--hidden``, ``--layers``) makes the
-trunk's activations, which micro-batches cut, the larger part.
+(``modules/microbatch.py``); ``--grad-ckpt`` adds ``module.gradient_checkpointing=true`` (alone
+and with the smallest M). A wider, deeper trunk (``--hidden``, ``--layers``) makes the trunk's
+activations, which both cut, the larger part.
 Prints one JSON line per configuration and a summary (peak RSS above the model's, MiB).
 """
 
@@ -24,7 +25,14 @@ import sys
 
 
 def measure(
-    vocab: int, rows: int, tokens: int, chunk: int | None, micro: int | None, hidden: int, layers: int
+    vocab: int,
+    rows: int,
+    tokens: int,
+    chunk: int | None,
+    micro: int | None,
+    hidden: int,
+    layers: int,
+    grad_ckpt: bool = False,
 ) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -43,6 +51,8 @@ def measure(
         tie_word_embeddings=False,
     )
     model = Qwen2ForCausalLM(cfg).train()
+    if grad_ckpt:  # module.gradient_checkpointing=true
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     ids = torch.randint(3, vocab, (rows, tokens))
     mask = torch.ones_like(ids)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -53,6 +63,7 @@ def measure(
     return {
         "logit_chunk": chunk,
         "micro_batch_size": micro,
+        "gradient_checkpointing": grad_ckpt,
         "vocab": vocab,
         "hidden": hidden,
         "layers": layers,
@@ -68,6 +79,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024])
     parser.add_argument("--micro", type=int, nargs="*", default=[], help="micro-batch sizes (sequences)")
+    parser.add_argument(
+        "--grad-ckpt", action="store_true", help="add the last config with trunk checkpointing"
+    )
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--one", type=str, help=argparse.SUPPRESS)  # internal: one measurement
@@ -75,13 +89,17 @@ def main() -> None:
     shape = {"vocab": args.vocab, "rows": args.rows, "tokens": args.tokens}
     shape.update(hidden=args.hidden, layers=args.layers)
     if args.one is not None:
-        chunk, micro = (None if x == "null" else int(x) for x in args.one.split(","))
-        print(json.dumps(measure(chunk=chunk, micro=micro, **shape)))
+        chunk, micro, ckpt = args.one.split(",")
+        chunk, micro = (None if x == "null" else int(x) for x in (chunk, micro))
+        print(json.dumps(measure(chunk=chunk, micro=micro, grad_ckpt=ckpt == "1", **shape)))
         return
-    configs = [(None, None), *((c, None) for c in args.chunks), *((args.chunks[-1], m) for m in args.micro)]
+    configs = [(None, None, 0), *((c, None, 0) for c in args.chunks)]
+    configs += [(args.chunks[-1], m, 0) for m in args.micro]
+    if args.grad_ckpt:
+        configs += [(args.chunks[-1], None, 1), (args.chunks[-1], min(args.micro, default=None), 1)]
     results = []
-    for chunk, micro in configs:
-        one = ",".join("null" if x is None else str(x) for x in (chunk, micro))
+    for chunk, micro, ckpt in configs:
+        one = ",".join("null" if x is None else str(x) for x in (chunk, micro, ckpt))
         cmd = [sys.executable, "-m", "benchmarks.memory", "--one", one]
         cmd += [arg for k, v in shape.items() for arg in (f"--{k}", str(v))]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -89,7 +107,8 @@ def main() -> None:
         print(json.dumps(results[-1]))
 
     def name(r: dict) -> str:
-        return f"chunk={r['logit_chunk']},micro={r['micro_batch_size']}"
+        ckpt = ",grad_ckpt" if r["gradient_checkpointing"] else ""
+        return f"chunk={r['logit_chunk']},micro={r['micro_batch_size']}{ckpt}"
 
     full = results[0]["peak_mib_above_model"]
     print(
