@@ -8,7 +8,7 @@ and the whole minibatch vs checkpointed micro-batches.
 Each configuration runs in a fresh process (peak RSS is per process): a tiny Qwen2 trunk
 (hidden 64, 2 layers) with a large vocabulary, so the output head and its logits dominate as
 they do for a 1.5B model at long context; ``logit_chunk`` null vs each ``--chunks`` value.
-``--micro M...`` adds, for each M, the last ``--chunks`` head with ``module.micro_batch_size=M``
+``--micro M...`` adds, for each M, the last ``--chunks`` head with ``algo.micro_batch_size=M``
 (``modules/microbatch.py``); ``--grad-ckpt`` adds ``module.gradient_checkpointing=true`` (alone
 and with the smallest M). A wider, deeper trunk (``--hidden``, ``--layers``) makes the trunk's
 activations, which both cut, the larger part.

@@ -1,7 +1,7 @@
 """Micro-batches: trainer memory that scales with a micro-batch, not the minibatch.
 
-    python train.py module.micro_batch_size=4                  # 4 sequences per micro-batch
-    python train.py module.micro_batch_size=4 module/forward=bucketed
+    python train.py algo.micro_batch_size=4                  # 4 sequences per micro-batch
+    python train.py algo.micro_batch_size=4 module/forward=bucketed
 
 ``MicroBatched(forward, size)`` runs any forward strategy (``modules.packing``) over the
 minibatch ``size`` sequences at a time, each under ``torch.utils.checkpoint`` (non-reentrant):
@@ -39,7 +39,7 @@ Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 class MicroBatched:
     def __init__(self, forward: Forward, size: int | None) -> None:
         check(
-            "module.micro_batch_size",
+            "algo.micro_batch_size",
             size,
             size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
             "null (the whole minibatch at once) or an int >= 1 (sequences per micro-batch)",

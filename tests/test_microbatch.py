@@ -114,15 +114,21 @@ def test_micro_batched_forward_copies_and_pickles():
 
 @pytest.mark.parametrize("size", [0, -2, 1.5, True, "4"])
 def test_bad_micro_batch_size_names_the_field(size):
-    with pytest.raises(ConfigError, match="module.micro_batch_size"):
+    with pytest.raises(ConfigError, match="algo.micro_batch_size"):
         MicroBatched(PackedForward(), size)
+    from modules.validate import validate
+    from tests.conftest import compose
+
+    if not isinstance(size, str):  # (on the command line "4" is the int 4)
+        with pytest.raises(ConfigError, match="algo.micro_batch_size"):  # at start-up, before any build
+            validate(compose([f"algo.micro_batch_size={str(size).lower()}"]))
 
 
 def test_module_config_builds_the_micro_batched_forward():
     from modules.config import build
     from tests.conftest import compose
 
-    cfg = compose(["module.micro_batch_size=2"])
+    cfg = compose(["algo.micro_batch_size=2"])
     cfg.module.model_path = "unused"  # the policy loads in configure_model, not here
     module = build(cfg.module)
     assert isinstance(module.forward_logprobs, MicroBatched) and module.forward_logprobs.size == 2
