@@ -96,7 +96,7 @@ def main() -> None:
     configs = [(None, None, 0), *((c, None, 0) for c in args.chunks)]
     configs += [(args.chunks[-1], m, 0) for m in args.micro]
     if args.grad_ckpt:
-        configs += [(args.chunks[-1], None, 1), (args.chunks[-1], min(args.micro, default=None), 1)]
+        configs += [(args.chunks[-1], None, 1)] + [(args.chunks[-1], min(args.micro), 1)] * bool(args.micro)
     results = []
     for chunk, micro, ckpt in configs:
         one = ",".join("null" if x is None else str(x) for x in (chunk, micro, ckpt))

@@ -101,8 +101,9 @@ class DriftCallback(L.Callback):
         self.relax_after = relax_after
         self.lr_scale = 1.0
         # actions taken and not undone, most recent last: ("lr", factor) or ("staleness", bound before)
-        # ("lr", factor, relaxations of it done) or ("staleness", bound before the cut, bound the
-        # cut started from: the smaller when a loose bound first came down to what the run saw)
+        # ("lr", factor still to undo, step up per relaxation) or ("staleness", bound before the
+        # cut, bound the cut started from: the smaller when a loose bound came down to what the
+        # run saw). A lr_relax_steps changed on resume applies to the next cut.
         self.notches: list[tuple[str, float, float]] = []
         self.bound: int | None = None  # the staleness bound as the controller left it (None: untouched)
         self.since_action = cooldown
@@ -202,11 +203,13 @@ class DriftCallback(L.Callback):
                     self._set_bound(trainer, bound // 2)
                     self.notches.append(("staleness", float(before), float(bound)))
                     done.append(f"staleness bound {before} -> {bound // 2}")
-            if "lr" in self.actions and self.lr_scale * self.lr_factor >= self.min_lr_scale - 1e-12:
-                scale_learning_rate(trainer, self.lr_factor)
-                self.lr_scale *= self.lr_factor
-                self.notches.append(("lr", self.lr_factor, 0.0))
-                done.append(f"lr x{self.lr_factor:g} (now {self.lr_scale:g} of configured)")
+            # down by lr_factor, or to the floor when that is closer (a partly relaxed scale)
+            cut = max(self.lr_scale * self.lr_factor, self.min_lr_scale) / self.lr_scale
+            if "lr" in self.actions and cut < 1 - 1e-9:
+                scale_learning_rate(trainer, cut)
+                self.lr_scale *= cut
+                self.notches.append(("lr", cut, cut ** (-1 / self.lr_relax_steps)))
+                done.append(f"lr x{cut:.3g} (now {self.lr_scale:.3g} of configured)")
             if done:
                 self.since_action = 0
                 log.warning(
@@ -224,13 +227,12 @@ class DriftCallback(L.Callback):
         self.healthy = self.healthy + 1 if quiet else 0
         if self.healthy >= self.relax_after and self.notches:
             kind, value, start = self.notches[-1]
-            if kind == "lr":  # back by one lr_relax_steps-th of the cut (geometric)
-                up = value ** (-1 / self.lr_relax_steps)
-                done = int(start) + 1
-                if done >= self.lr_relax_steps:
+            if kind == "lr":  # ("lr", factor still to undo, step up): geometric, the last step exact
+                up = min(start, 1 / value)
+                if value * up >= 1 - 1e-9:
                     self.notches.pop()
                 else:
-                    self.notches[-1] = (kind, value, float(done))
+                    self.notches[-1] = (kind, value * up, start)
                 scale_learning_rate(trainer, up)
                 self.lr_scale *= up
                 what = f"lr up to {self.lr_scale:.3g} of configured"
@@ -245,6 +247,15 @@ class DriftCallback(L.Callback):
             self.healthy = 0
             self.since_action = 0
             log.warning("drift quiet for %d steps at step %d: %s", self.relax_after, step, what)
+
+    def _notch(self, n: list) -> tuple[str, float, float]:
+        """A checkpointed notch; older ones were (kind, value) or ("lr", factor, 0.0)."""
+        kind, value = str(n[0]), float(n[1])
+        third = float(n[2]) if len(n) > 2 else None
+        if kind == "lr":  # ("lr", factor still to undo, step up > 1)
+            return kind, value, third if third and third > 1 else value ** (-1 / self.lr_relax_steps)
+        # staleness without where its cut started: the next relaxation restores the value
+        return kind, value, third if third is not None else float((self.bound or 0) + 1)
 
     def state_dict(self) -> dict[str, object]:
         return {
@@ -263,12 +274,7 @@ class DriftCallback(L.Callback):
         self.lr_scale = float(state_dict["lr_scale"])  # type: ignore[arg-type]
         bound = state_dict["bound"]
         self.bound = None if bound is None else int(bound)  # type: ignore[arg-type]
-        # (kind, value) notches of older checkpoints: the next relaxation restores the value
-        start = float((self.bound or 0) + 1)
-        self.notches = [
-            (str(n[0]), float(n[1]), float(n[2]) if len(n) > 2 else start)
-            for n in state_dict["notches"]  # type: ignore[union-attr]
-        ]
+        self.notches = [self._notch(n) for n in state_dict["notches"]]  # type: ignore[union-attr]
         self.since_action = int(state_dict["since_action"])  # type: ignore[arg-type]
         self.healthy = int(state_dict["healthy"])  # type: ignore[arg-type]
         self.alarms = int(state_dict["alarms"])  # type: ignore[arg-type]

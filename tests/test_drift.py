@@ -437,9 +437,19 @@ def test_notches_of_an_older_checkpoint_relax_in_one_step_as_they_did():
     cb2.load_state_dict(state)
     cb2.on_fit_start(trainer2, module2)
     assert trainer2.datamodule.bound == 2
-    for _ in range(20):
+    for _ in range(40):
         feed(cb2, trainer2, module2, logged2, {"train/kl_behavior": 1e-4, "rollout/staleness_max": 1.0})
     assert trainer2.datamodule.bound == 1_000_000 and not cb2.notches
+    assert cb2.lr_scale == pytest.approx(1.0)  # (the optimizer itself resumes at its saved lr)
+
+
+def test_lr_floor_is_reached_from_a_partly_relaxed_scale():
+    cb, trainer, module, ws, opt, sched, logged = make_run(actions=["lr"], min_lr_scale=0.125, relax_after=2)
+    cb.lr_scale = 0.125 * 2**0.75  # left there by a partial relaxation
+    cb.notches = [("lr", 0.125 * 2**0.75, 2**0.25)]
+    for _ in range(12):
+        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 1.0})
+    assert cb.lr_scale == pytest.approx(0.125)  # cut to the floor, not stuck above it
 
 
 @pytest.mark.parametrize("ceiling", [0.0, -1.0])

@@ -142,12 +142,15 @@ def place_gpus(
     accelerator = cfg.trainer.get("accelerator")
     engine = cfg.engine
     if not wants_gpus(accelerator, device_count):
-        if device_count > 0:  # explicit opt-in to GPUs, but say so: a CPU run here is rarely meant
+        if device_count > 0 and env.get("LOCAL_RANK", "0") == "0":  # GPUs are an explicit
+            # choice, but say so once: a CPU run on a GPU node is rarely what was meant
+            rl = str(cfg.get("module", {}).get("_target_", "")).endswith("GRPOModule")
             logging.getLogger(__name__).warning(
-                "this node has %d CUDA GPU(s) and the run trains on CPU (trainer.accelerator=%s, "
-                "engine on CPU); for GPUs: trainer=gpu engine=vllm_gpu (README, 'On a GPU node')",
+                "this node has %d CUDA GPU(s) and the trainer runs on CPU (trainer.accelerator=%s); "
+                "for GPUs: %s (README, 'On a GPU node')",
                 device_count,
                 accelerator,
+                "trainer=gpu engine=vllm_gpu" if rl else "trainer=gpu",
             )
         check(
             "engine.gpu_ids",
