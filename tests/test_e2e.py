@@ -141,8 +141,9 @@ def test_delayed_sync_trains_at_exactly_k_versions_of_lag_under_the_monitor(tmp_
     }
     assert all(r["spans"][0][0] == max(r["step"] - 2, 0) and r["gen_end"] >= r["gen_start"] for r in recs)
     scores = [float(r["drift/score"]) for r in train_rows]
-    # steps 0-1 ramp, 2-4 fit the baseline, then the score moves
-    assert scores[:5] == [0.0] * 5 and all(math.isfinite(x) for x in scores)
+    # steps 0-1 ramp, 2-4 fit the baseline: only the absolute ceilings score (far below the
+    # threshold on a healthy run), then the relative score moves too
+    assert all(0.0 <= x < 4.0 for x in scores[:5]) and all(math.isfinite(x) for x in scores)
     z_grad = [float(r.get("drift/z/train/grad_norm") or 0.0) for r in train_rows]
     assert not any(z_grad[:5]) and any(z_grad[5:])  # scored once the baseline is fitted
     summary = json.loads((tmp_path / "eval_summary.json").read_text())
