@@ -43,8 +43,10 @@ class WeightSyncError(RuntimeError):
 # depends on the checkpoint, so it needs an explicit tolerance.
 # float32: vLLM-CPU and torch kernels differ by ~1e-5 per token logprob at the warm start and
 # by 1.6e-4 after 39 versions at lr 2e-3 (larger logits; measured 2026-12-02), while a sync that
-# serves the wrong version differs by far more; bf16 / fp16: see docs/estimators.md.
-VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
+# serves the wrong version differs by far more. bfloat16: the per-sync gap grew from 0.02-0.18
+# at the warm start to 0.33 and 0.42 over 60 steps at lr 2e-3 (two runs, 2026-12-02), so 1.0;
+# float16 is not measured. docs/estimators.md.
+VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.1}
 
 
 def verify_tolerance(tolerance: float | None, engine_dtype: str) -> float:
