@@ -100,7 +100,7 @@ class DriftCallback(L.Callback):
         self.cooldown = cooldown
         self.relax_after = relax_after
         self.lr_scale = 1.0
-        # actions taken and not undone, most recent last: ("lr", factor) or ("staleness", bound before)
+        # actions taken and not undone, most recent last:
         # ("lr", factor still to undo, step up per relaxation) or ("staleness", bound before the
         # cut, bound the cut started from: the smaller when a loose bound came down to what the
         # run saw). A lr_relax_steps changed on resume applies to the next cut.
@@ -178,7 +178,6 @@ class DriftCallback(L.Callback):
         self.since_action += 1
         if self.actions:
             self._control(trainer, reading)
-        if self.actions:
             values["controller/lr_scale"] = self.lr_scale
             bound = self._bound(trainer)
             if bound is not None:
