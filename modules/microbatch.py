@@ -36,14 +36,19 @@ from modules.config_errors import check
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def check_size(size: object) -> None:
+    """``algo.micro_batch_size``: null or a positive int (start-up validation and the constructor)."""
+    check(
+        "algo.micro_batch_size",
+        size,
+        size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
+        "null (the whole minibatch at once) or an int >= 1 (sequences per micro-batch)",
+    )
+
+
 class MicroBatched:
     def __init__(self, forward: Forward, size: int | None) -> None:
-        check(
-            "algo.micro_batch_size",
-            size,
-            size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
-            "null (the whole minibatch at once) or an int >= 1 (sequences per micro-batch)",
-        )
+        check_size(size)
         self.forward = forward
         self.size = size
 

@@ -138,13 +138,9 @@ def _validate_rl(cfg: DictConfig) -> None:
     warning = mismatch_warning(cfg)
     if warning:
         log.warning(warning)
-    micro = algo.get("micro_batch_size")
-    check(
-        "algo.micro_batch_size",
-        micro,
-        micro is None or (isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1),
-        "null (the whole minibatch at once) or an int >= 1 (sequences per micro-batch)",
-    )
+    from modules.microbatch import check_size
+
+    check_size(algo.get("micro_batch_size"))
     max_tokens = rollout.sampling.max_tokens
     check(
         "rollout.sampling.max_tokens",

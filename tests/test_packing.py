@@ -40,9 +40,8 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model64(tmp_path_factory):
-    """A tiny random Qwen2 in float64, in train mode with dropout off (as the trainer runs)."""
+def tiny_qwen(hidden: int = 32) -> torch.nn.Module:
+    """A tiny random float32 Qwen2 in train mode with dropout off (as the trainer runs)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from modules.policy import disable_dropout
@@ -50,16 +49,22 @@ def model64(tmp_path_factory):
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         initializer_range=0.3,
     )
-    model = Qwen2ForCausalLM(cfg).double()
+    model = Qwen2ForCausalLM(cfg)
     disable_dropout(model)
     return model.train()
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    """``tiny_qwen`` in float64."""
+    return tiny_qwen().double()
 
 
 def ragged_batch(seed: int = 0, n: int = 10) -> dict:
@@ -257,19 +262,7 @@ def test_bad_row_settings_name_the_field():
 def test_first_use_check_passes_under_bf16_autocast():
     """trainer.precision=bf16-mixed runs the forward under autocast: the packed-vs-padded check
     must compare in the parameters' precision, not fail on bf16 rounding and blame attention."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    model = Qwen2ForCausalLM(cfg).train()
+    model = tiny_qwen(hidden=64)
     batch = ragged_batch(seed=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, _ = PackedForward()(model, batch["input_ids"], batch["attention_mask"], 1.0)
