@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -52,11 +53,16 @@ def concurrency_groups(rollout: Any, engine_concurrency: int | None = None) -> i
     """Groups the recipe keeps generating at once: streaming / partial ``max_inflight``
     (partial: ceil(over_provision x P); ``auto``: the engine's concurrency in groups, or the
     string "auto" where no engine is known yet), sync ``prompts_per_step``."""
+    from data.rollout.partial import PartialRollout
     from data.rollout.sizing import Sizing
     from data.rollout.streaming import StreamingRollout
 
     if not isinstance(rollout, StreamingRollout):
         return rollout.prompts_per_step
+    if isinstance(rollout, PartialRollout):
+        if rollout.over_provision == "auto" and engine_concurrency is None:
+            return "auto"
+        return math.ceil(rollout.alpha(engine_concurrency) * rollout.prompts_per_step)
     if rollout.max_inflight == "auto" and engine_concurrency is None:
         return "auto"
     return Sizing.of(rollout, engine_concurrency).inflight

@@ -14,14 +14,19 @@ update), on a virtual clock, so a run takes seconds. The default workload is the
 
 Prints one JSON object (last line): trained samples per time unit, trainer and engine idle
 fractions, engine utilisation, staleness histogram, completion-time bias, next to the
-analytical bounds: a sync iteration lasts E[max latency of its requests] + step time; no
-pipeline beats min(concurrency / mean latency, batch / step time).
+analytical bounds: a sync iteration lasts at least E[max(longest response, the batch's work /
+concurrency)] + step time (whatever the order requests start in); no pipeline beats
+min(concurrency / mean latency, batch / step time). Both are given for the issued mix
+(``ratio_to_pipeline_bound``) and for the mix actually trained (``ratio_to_trained_mix_bound``):
+dropping long groups trains a shorter mix, whose bound is higher, so a dropping config can pass
+the issued mix's bound while wasting generation; the second ratio shows the waste.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from collections import Counter
 from typing import Any
 
@@ -47,6 +52,26 @@ def expected_max(latencies: list[tuple[float, float]], n: int) -> float:
     return out
 
 
+def sync_makespan(
+    latencies: list[tuple[float, float]], batch: int, concurrency: int, draws: int = 4000
+) -> float:
+    """E[max(longest response, total work / concurrency)] over batches of ``batch`` i.i.d.
+    draws: no schedule of one barrier batch on ``concurrency`` slots finishes sooner (the
+    longest request runs on one slot; the slots cannot do more than ``concurrency`` units of
+    work per unit). Monte Carlo with a fixed seed; exact ``expected_max`` when everything
+    starts at once (``concurrency >= batch``)."""
+    if concurrency >= batch:
+        return expected_max(latencies, batch)
+    rng = random.Random(0)
+    values = [v for v, _ in latencies]
+    weights = [p for _, p in latencies]
+    total = 0.0
+    for _ in range(draws):
+        xs = rng.choices(values, weights, k=batch)
+        total += max(max(xs), sum(xs) / concurrency)
+    return total / draws
+
+
 def bounds(
     latencies: list[tuple[float, float]],
     batch: int,
@@ -56,19 +81,49 @@ def bounds(
 ) -> dict:
     """Analytical sync and pipeline bounds. A response stops at ``max_tokens`` (one time unit
     per token), so latencies above it count as ``max_tokens``: without that clip a workload with
-    a tail beyond the cap would make "sync" beat its own bound."""
+    a tail beyond the cap would make "sync" beat its own bound. A sync iteration cannot be
+    shorter than its batch's makespan bound (``sync_makespan``: the longest response, or the
+    batch's work spread over the engine's slots when the batch exceeds them) plus the step."""
     if max_tokens is not None:
         latencies = [(min(v, max_tokens), p) for v, p in latencies]
     total = sum(p for _, p in latencies)
     mean_latency = sum(v * p for v, p in latencies) / total
-    sync_iter = expected_max(latencies, batch) + step_time  # assumes concurrency >= batch
+    sync_iter = sync_makespan(latencies, batch, concurrency) + step_time
+    bound = min(concurrency / mean_latency, batch / step_time if step_time else math.inf)
     return {
         "sync_samples_per_unit": batch / sync_iter,
-        "pipeline_bound_samples_per_unit": min(
-            concurrency / mean_latency, batch / step_time if step_time else math.inf
-        ),
+        "pipeline_bound_samples_per_unit": bound,
         "mean_latency": mean_latency,
         "sync_iteration_time": sync_iter,
+        # Little's law: training X samples per unit from responses E[L] units long keeps
+        # X E[L] samples outstanding, about X E[L] / batch policy versions of age (one version
+        # per batch), if the trained mix is the issued one. At the bound:
+        "staleness_floor_at_bound": bound * mean_latency / batch,
+    }
+
+
+def ratios(
+    result: dict,
+    latencies: list[tuple[float, float]],
+    batch: int,
+    concurrency: int,
+    step_time: float,
+    max_tokens: float | None,
+) -> dict:
+    """A simulated run's throughput against the bounds of the issued mix and of the mix it
+    trained. A run that drops long groups trains a shorter mix than it issues and can pass the
+    issued mix's bound; against its own mix's bound (what an engine generating only those
+    responses could feed) the shortfall is the generation it wasted and the trainer's idling."""
+    b = bounds(latencies, batch, concurrency, step_time, max_tokens)
+    trained = result.get("trained_lengths") or {}
+    mix = bounds([(float(k), v) for k, v in trained.items()], batch, concurrency, step_time) if trained else b
+    spu = result["samples_per_unit"]
+    return {
+        "bounds": b,
+        "trained_mix_bounds": mix,
+        "ratio_to_pipeline_bound": spu / b["pipeline_bound_samples_per_unit"],
+        "ratio_to_trained_mix_bound": spu / mix["pipeline_bound_samples_per_unit"],
+        "speedup_vs_sync_bound": spu / b["sync_samples_per_unit"],
     }
 
 
@@ -100,6 +155,7 @@ def simulate(
     controller.batches_per_version = sync_every
     waited, trained = 0.0, 0
     staleness: Counter = Counter()  # histogram, 5+ pooled (display)
+    lengths: Counter = Counter()  # trained response lengths (tokens)
     stale_sum, stale_max = 0, 0  # exact
     for step in range(steps):
         t0 = engine.now
@@ -108,6 +164,7 @@ def simulate(
         trained += len(batch)
         controller.bias.on_trained(batch)
         staleness.update(min(e.staleness, 5) for e in batch)
+        lengths.update(len(e.response_ids) for e in batch)
         stale_sum += sum(e.staleness for e in batch)
         stale_max = max([stale_max, *(e.staleness for e in batch)])
         slow_e, slow_t = contention
@@ -131,6 +188,7 @@ def simulate(
         "staleness_mean": stale_sum / n_stale,
         "staleness_max": stale_max,
         "dropped_groups": snap.get("dropped", 0),
+        "trained_lengths": {str(k): v / trained for k, v in sorted(lengths.items())} if trained else {},
         **controller.bias.metrics(),
     }
 
@@ -151,15 +209,10 @@ def main(cfg: DictConfig) -> float:
         sim.sync_every,
     )
     batch = controller.prompts_per_step * controller.group_size
-    b = bounds(latencies, batch, sim.concurrency or batch, sim.step_time, controller.sampling.max_tokens)
-    result.update(
-        {
-            "mode": type(controller).__name__,
-            "bounds": b,
-            "ratio_to_pipeline_bound": result["samples_per_unit"] / b["pipeline_bound_samples_per_unit"],
-            "speedup_vs_sync_bound": result["samples_per_unit"] / b["sync_samples_per_unit"],
-        }
-    )
+    conc = sim.concurrency or batch
+    result.update(ratios(result, latencies, batch, conc, sim.step_time, controller.sampling.max_tokens))
+    result["mode"] = type(controller).__name__
+    result.pop("trained_lengths")
     print(json.dumps(result))
     return result["samples_per_unit"]
 

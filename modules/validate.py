@@ -50,7 +50,6 @@ INTS = (
 NUMBERS = (
     "rollout.sampling.temperature",
     "rollout.sampling.top_p",
-    "rollout.over_provision",
     "rollout.max_age_s",
     "module.temperature",
     "module.optimizer.lr",
@@ -81,26 +80,27 @@ def _check_types(cfg: DictConfig) -> None:
                 check(field, value, is_ok(value), f"{what}, not {type(value).__name__}")
 
 
-# Fields that are an int or the string "auto" (sized from the engine: data/rollout/sizing.py).
+# Fields that are a number or the string "auto" (sized from the engine: data/rollout/sizing.py).
 INTS_OR_AUTO = ("rollout.max_inflight", "rollout.buffer_capacity")
+NUMBERS_OR_AUTO = ("rollout.over_provision",)
 
 
-def _check_int_or_auto(cfg: DictConfig) -> None:
-    for field in INTS_OR_AUTO:
-        value = OmegaConf.select(cfg, field, default=_ABSENT)
-        if value is _ABSENT or value is None or value == "auto":
-            continue
-        check(
-            field,
-            value,
-            isinstance(value, int) and not isinstance(value, bool),
-            f"an int or auto, not {type(value).__name__}",
-        )
+def _check_or_auto(cfg: DictConfig) -> None:
+    for fields, is_ok, what in (
+        (INTS_OR_AUTO, lambda v: isinstance(v, int), "an int"),
+        (NUMBERS_OR_AUTO, lambda v: isinstance(v, int | float), "a number"),
+    ):
+        for field in fields:
+            value = OmegaConf.select(cfg, field, default=_ABSENT)
+            if value is _ABSENT or value is None or value == "auto":
+                continue
+            ok = is_ok(value) and not isinstance(value, bool)
+            check(field, value, ok, f"{what} or auto, not {type(value).__name__}")
 
 
 def validate(cfg: DictConfig) -> None:
     _check_types(cfg)
-    _check_int_or_auto(cfg)
+    _check_or_auto(cfg)
     trainer = cfg.get("trainer") or {}
     check(
         "trainer.max_steps",

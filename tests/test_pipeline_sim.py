@@ -89,3 +89,27 @@ def test_bounds_clip_latencies_at_max_tokens():
     # sync cannot beat its bound once the bound knows about the cap
     assert out["samples_per_unit"] <= clipped["sync_samples_per_unit"] * 1.02
     assert out["samples_per_unit"] > 1.5 * bounds(lat, 32, 64, 5.0)["sync_samples_per_unit"]
+
+
+def test_sync_makespan_is_the_longest_response_or_the_work_per_slot():
+    from benchmarks.pipeline import sync_makespan
+
+    assert sync_makespan([(10, 1.0)], 32, 8) == pytest.approx(40)  # 320 units of work on 8 slots
+    assert sync_makespan([(10, 1.0)], 32, 64) == pytest.approx(10)  # everything at once
+    assert sync_makespan([(10, 0.5), (1000, 0.5)], 4, 2) >= expected_max([(10, 0.5), (1000, 0.5)], 4) - 1e-9
+
+
+def test_a_dropping_config_is_also_measured_against_the_mix_it_trains():
+    from benchmarks.pipeline import ratios
+
+    lat = [(10, 0.9), (100, 0.1)]
+    ctl = controller(
+        "streaming", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=2"
+    )
+    out = simulate(ctl, lat, steps=100, step_time=5.0, concurrency=64)
+    r = ratios(out, lat, 32, 64, 5.0, 384)
+    # it drops the long groups: its trained mix is shorter, so its own bound is higher
+    assert out["dropped_groups"] > 0 and sum(out["trained_lengths"].values()) == pytest.approx(1.0)
+    assert r["trained_mix_bounds"]["mean_latency"] < r["bounds"]["mean_latency"]
+    assert r["ratio_to_trained_mix_bound"] < r["ratio_to_pipeline_bound"]
+    assert r["bounds"]["staleness_floor_at_bound"] == pytest.approx(64 / 32)  # concurrency / batch

@@ -30,6 +30,8 @@ class Ctl:
 def test_auto_sizing_follows_the_engine_and_the_batch():
     s = Sizing.of(Ctl(p=16, g=8, k=1), concurrency=256)
     assert s.inflight == 32  # 256 requests = 32 groups of 8
+    assert Sizing.of(Ctl(p=4, g=4, k=2), concurrency=256).inflight == 12  # P (K + 1) < 64 groups
+    assert Sizing.of(Ctl(p=16, g=8, k=8), concurrency=256).inflight == 32  # the engine < 144
     assert (s.low, s.outstanding, s.high) == (16, 32 + 16, 32 + 16 * 2)
     s = Sizing.of(Ctl(p=16, g=8, k=3), concurrency=None)  # unbounded engine: what K lets train
     assert s.inflight == 64
@@ -77,7 +79,10 @@ def run(ctl, latencies=SEED, steps=150, step_time=5.0, concurrency=64):
 
 def test_auto_reaches_the_pipeline_bound_where_fixed_defaults_do_not():
     bound = bounds(SEED, 32, 64, 5.0)["pipeline_bound_samples_per_unit"]
-    fixed = run(streaming("rollout.max_staleness=20"))  # 16 in flight of 64 slots
+    # the old fixed defaults: 16 in flight of 64 slots
+    fixed = run(
+        streaming("rollout.max_staleness=20", "rollout.max_inflight=16", "rollout.buffer_capacity=32")
+    )
     auto = run(
         streaming("rollout.max_staleness=20", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto")
     )
@@ -167,6 +172,10 @@ def test_longest_first_shortens_the_barrier_when_the_batch_exceeds_concurrency()
     assert lpt["samples_per_unit"] > 1.15 * fifo["samples_per_unit"]
     # the lower bound of an iteration: one long request (100) + the step (5)
     assert lpt["samples_per_unit"] <= 32 / 105 + 1e-9
+    # no order beats the makespan bound, E[max(longest, work / slots)] + step; LPT sits on it
+    sync_bound = bounds(SEED, 32, 8, 5.0)["sync_samples_per_unit"]
+    assert lpt["samples_per_unit"] == pytest.approx(sync_bound, rel=0.03)
+    assert fifo["samples_per_unit"] < 0.85 * sync_bound
     # nothing read the answer: the predictor learned lengths per level from what it saw
     assert ctl.lengths.predict({"level": 1}) == pytest.approx(100)
     assert ctl.lengths.predict({"level": 0}) == pytest.approx(10)
@@ -193,3 +202,52 @@ def test_planner_recommends_the_fastest_config_within_the_budget():
     # a tighter budget can only pick something slower or equal
     tight = plan("seed_workload", [], steps=30, seed=0, budget=0.5, max_level_kl=0.01)["recommended"]
     assert tight is None or tight["samples_per_unit"] <= best["samples_per_unit"]
+
+
+def partial(*overrides: str):
+    cfg = compose(["rollout=partial", "rollout.prompts_per_step=32", "rollout.group_size=1", *overrides])
+    return build(cfg.rollout)
+
+
+def test_auto_over_provisioning_is_the_engine_in_groups_plus_one_batch():
+    ctl = partial("rollout.over_provision=auto")
+    assert ctl.alpha(64) == pytest.approx(3.0)  # 1 + ceil(64 / 1) / 32
+    assert ctl.alpha(None) == pytest.approx(2.0)  # no known concurrency: the old default
+    g8 = build(compose(["rollout=partial", "rollout.over_provision=auto"]).rollout)  # P 16, G 8
+    assert g8.alpha(256) == pytest.approx(3.0) and g8.alpha(100) == pytest.approx(1 + 13 / 16)
+    assert g8.alpha(4096) == pytest.approx(3.0)  # capped: mean staleness about 2 at most
+    assert partial("rollout.over_provision=1.5").alpha(64) == pytest.approx(1.5)
+    simulate(ctl, SEED, steps=1, step_time=5.0, concurrency=64)
+    assert ctl._sizing.inflight == 96  # what one iteration tops the engine up to
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        SEED,
+        [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)],
+        [(20, 0.99), (2000, 0.01)],
+    ],
+    ids=["seed", "lognormal", "bimodal"],
+)
+def test_auto_partial_reaches_the_bound_unbiased_at_the_littles_law_staleness(workload):
+    out = simulate(partial("rollout.over_provision=auto"), workload, steps=150, step_time=5.0, concurrency=64)
+    b = bounds(workload, 32, 64, 5.0, max_tokens=384)
+    ratio = out["samples_per_unit"] / b["pipeline_bound_samples_per_unit"]
+    assert ratio >= 0.9 and out["dropped_groups"] == 0
+    assert out.get("bias/level_kl_trained_vs_issued", 0.0) < 1e-3  # the issued mix is trained
+    # Little's law: staleness cannot be much below X E[L] / batch; auto sits at it (~2 here)
+    floor = ratio * b["staleness_floor_at_bound"]
+    assert 0.9 * floor <= out["staleness_mean"] <= 2.05
+    two = simulate(partial("rollout.over_provision=2"), workload, steps=150, step_time=5.0, concurrency=64)
+    assert two["samples_per_unit"] < 0.7 * out["samples_per_unit"]  # the old fixed default
+
+
+def test_over_provision_auto_passes_validation_and_bad_values_name_the_field():
+    from modules.validate import validate
+
+    validate(compose(["recipe=partial_grpo", "rollout.over_provision=auto"]))
+    with pytest.raises(ConfigError, match="rollout.over_provision"):
+        validate(compose(["recipe=partial_grpo", "rollout.over_provision=lots"]))
+    with pytest.raises(ConfigError, match="rollout.over_provision"):
+        partial("rollout.over_provision=0.5")

@@ -5,17 +5,37 @@ ends at the P-th complete group; the unfinished ones carry over, first in line, 
 ``inflight``: ``keep`` (generation continues across the weight update) or ``abort``
 (resubmitted as prompt + partial response). Built on ``StreamingRollout``: the same buffer,
 staleness policies and selection rules, topped up only at the start of an iteration.
+
+``over_provision=auto`` sizes alpha from the engine: ``1 + ceil(concurrency / G) / P``, i.e.
+the engine's concurrency in groups plus the batch the iteration trains. With less, the engine
+runs below capacity once the first groups of an iteration finish (nothing is topped up until
+the next one); with more, the extra groups only queue. Nothing is dropped, so the trained mix
+is the issued one; the price is staleness: trained groups are about alpha - 1 versions old on
+average. That is Little's law, not a flaw of the rule: a pipeline that trains X samples per
+second from responses that take E[L] seconds to generate keeps X E[L] samples outstanding, so
+its samples are about X E[L] / (P G) versions old; at the bound of a generation-bound pipeline
+(X = concurrency / E[L]) that is concurrency / (P G) = alpha - 1 (``benchmarks.pipeline``
+prints the floor). Simulator (``python -m benchmarks.plan``): 0.94-0.98 of the pipeline bound at
+mean staleness 1.97-1.98 on the seed, lognormal and bimodal workloads, where alpha = 2 reaches
+0.48-0.65. When training is the bottleneck auto over-provisions (same throughput, staleness
+above what is needed; set alpha by hand there). An engine far larger than the batch would
+make alpha, and the staleness, large (a 4 x 4 test batch on 256 slots: 17), so auto stops at
+alpha = 3 (mean staleness about 2); such a pipeline then reaches about 2 P G / concurrency
+of its bound. Without a known concurrency alpha is 2.
 """
 
 from __future__ import annotations
 
 import math
 
-from data.rollout.controller import RolloutController
+from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.staleness import StalenessPolicy
 from data.rollout.streaming import StreamingRollout
 from modules.config_errors import check
 from modules.engine.types import SamplingConfig
+
+# auto's alpha is at most 1 + this: mean staleness about 2 versions, whatever the engine's size.
+AUTO_MAX_EXTRA = 2.0
 
 
 class PartialRollout(StreamingRollout):
@@ -26,15 +46,20 @@ class PartialRollout(StreamingRollout):
         prompts_per_step: int,
         group_size: int,
         sampling: SamplingConfig,
-        over_provision: float = 2.0,
+        over_provision: float | str = 2.0,
         inflight: str = "keep",
         max_staleness: int = 1_000_000,
         staleness: StalenessPolicy | None = None,
         wait_timeout_s: float = 600.0,
     ) -> None:
-        check("rollout.over_provision", over_provision, over_provision >= 1.0, "a float >= 1 (alpha)")
+        check(
+            "rollout.over_provision",
+            over_provision,
+            over_provision == "auto" or (isinstance(over_provision, int | float) and over_provision >= 1.0),
+            "auto (engine concurrency in groups + one batch) or a float >= 1 (alpha)",
+        )
         self.over_provision = over_provision
-        n = math.ceil(over_provision * prompts_per_step)
+        n = math.ceil((2.0 if over_provision == "auto" else over_provision) * prompts_per_step)
         super().__init__(
             prompts_per_step,
             group_size,
@@ -49,6 +74,20 @@ class PartialRollout(StreamingRollout):
         )
         self._iteration_open = False
 
+    def alpha(self, concurrency: int | None) -> float:
+        """The over-provisioning factor: the configured one, or ``auto``'s for ``concurrency``."""
+        if self.over_provision != "auto":
+            return float(self.over_provision)
+        if not concurrency:
+            return 2.0
+        extra = math.ceil(concurrency / self.group_size) / self.prompts_per_step
+        return 1.0 + min(extra, AUTO_MAX_EXTRA)
+
+    def bind(self, ctx: RolloutContext) -> None:
+        n = math.ceil(self.alpha(ctx.engine.concurrency) * self.prompts_per_step)
+        self.max_inflight = self.buffer_capacity = n
+        super().bind(ctx)
+
     def check_advantage(self, advantage: object) -> None:
         # Iterations count whole groups: responses are never released one by one here.
         RolloutController.check_advantage(self, advantage)
@@ -57,7 +96,7 @@ class PartialRollout(StreamingRollout):
         # Top up only at the start of an iteration (not continuously, unlike streaming).
         if not self._iteration_open:
             return 0
-        return math.ceil(self.over_provision * self.prompts_per_step) - len(self._buffer)
+        return self._sizing.inflight - len(self._buffer)
 
     def _start_iteration(self) -> None:
         self._iteration_open = True

@@ -2,10 +2,13 @@
 flight + ready), from the engine and the batch instead of fixed numbers.
 
 ``rollout.max_inflight=auto``: at most the engine's concurrency in groups generate at once,
-``ceil(engine.concurrency / G)`` (vLLM's ``max_num_seqs``; without a bound, what the staleness
-bound lets the trainer use, ``P * (K + 1)``): more would only queue, and queued requests age
-without generating. ``rollout.buffer_capacity=auto``: at most that plus ``P * (K + 1)`` groups
-outstanding (generating or ready), what can be trained before the oldest exceeds the bound.
+``ceil(engine.concurrency / G)`` (vLLM's ``max_num_seqs``): more would only queue, and queued
+requests age without generating; and at most what the staleness bound lets the trainer use,
+``P * (K + 1)``: with N groups outstanding a group waits about N / P versions (Little's law),
+so more than that would mostly be dropped (a 4-group test batch on a 256-slot engine would
+otherwise keep 64 groups generating). ``rollout.buffer_capacity=auto``: at most that plus
+``P * (K + 1)`` groups outstanding (generating or ready), what can be trained before the oldest
+exceeds the bound.
 
 Rate matching (with ``max_inflight=auto``) moves the outstanding target between one batch
 (``P`` groups) and that capacity after every batch the trainer takes:
@@ -16,9 +19,8 @@ Rate matching (with ``max_inflight=auto``) moves the outstanding target between 
   outpaces training, one notch less. Groups started early would only wait in the buffer and
   grow stale (dropped, or trained further off-policy).
 
-It starts at engine concurrency + one batch and is not checkpointed (a resumed run starts
-there again). Integers for both fields keep the fixed
-behaviour (``buffer_capacity`` then bounds generating + ready groups, as before). The target is
+It starts at the in-flight ceiling + one batch and is not checkpointed (a resumed run starts
+there again). Integers for both fields keep the fixed behaviour (``buffer_capacity`` then bounds generating + ready groups, as before). The target is
 logged as ``rollout/outstanding_target``.
 """
 
@@ -44,7 +46,7 @@ class Sizing:
         trainable = p * (min(ctl.max_staleness, 1_000) + 1)
         auto = ctl.max_inflight == "auto"
         if auto:
-            inflight = math.ceil(concurrency / g) if concurrency else trainable
+            inflight = min(math.ceil(concurrency / g), trainable) if concurrency else trainable
         else:
             inflight = int(ctl.max_inflight)
         high = inflight + trainable if ctl.buffer_capacity == "auto" else int(ctl.buffer_capacity)
