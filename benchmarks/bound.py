@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import statistics
@@ -50,9 +49,10 @@ from modules.config import compose
 
 
 def concurrency_groups(rollout: Any, engine_concurrency: int | None = None) -> int | str:
-    """Groups the recipe keeps generating at once: streaming / partial ``max_inflight``
-    (partial: ceil(over_provision x P); ``auto``: the engine's concurrency in groups, or the
-    string "auto" where no engine is known yet), sync ``prompts_per_step``."""
+    """Groups the recipe keeps generating at once: sync ``prompts_per_step``; partial
+    ceil(alpha x P) (``auto``: P + the engine's concurrency in groups, capped, see
+    ``PartialRollout.groups_per_iteration``); streaming ``max_inflight`` (``auto``: min(the
+    engine's concurrency in groups, P s (K + 1))). The string "auto" where no engine is known."""
     from data.rollout.partial import PartialRollout
     from data.rollout.sizing import Sizing
     from data.rollout.streaming import StreamingRollout
@@ -62,7 +62,7 @@ def concurrency_groups(rollout: Any, engine_concurrency: int | None = None) -> i
     if isinstance(rollout, PartialRollout):
         if rollout.over_provision == "auto" and engine_concurrency is None:
             return "auto"
-        return math.ceil(rollout.alpha(engine_concurrency) * rollout.prompts_per_step)
+        return rollout.groups_per_iteration(engine_concurrency)
     if rollout.max_inflight == "auto" and engine_concurrency is None:
         return "auto"
     return Sizing.of(rollout, engine_concurrency).inflight
@@ -74,13 +74,14 @@ def bound_key(cfg: DictConfig) -> str:
     from hydra.utils import instantiate
 
     rollout = instantiate(cfg.rollout)
+    rollout.batches_per_version = int(cfg.data.get("sync_every") or 1)
     parts = {
         "model": cfg.model.path,
         "task": OmegaConf.to_container(cfg.task, resolve=True),
         "engine": OmegaConf.to_container(cfg.engine, resolve=True),
         "P": rollout.prompts_per_step,
         "G": rollout.group_size,
-        "concurrency_groups": concurrency_groups(rollout),
+        "concurrency_groups": concurrency_groups(rollout, cfg.engine.get("max_num_seqs")),
         "sampling": rollout.sampling.as_dict(),
         "algo": OmegaConf.to_container(cfg.algo, resolve=True),
         "module": OmegaConf.to_container(cfg.module, resolve=True),

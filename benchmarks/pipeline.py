@@ -53,22 +53,28 @@ def expected_max(latencies: list[tuple[float, float]], n: int) -> float:
 
 
 def sync_makespan(
-    latencies: list[tuple[float, float]], batch: int, concurrency: int, draws: int = 4000
+    latencies: list[tuple[float, float]],
+    batch: int,
+    concurrency: int,
+    group_size: int = 1,
+    draws: int = 4000,
 ) -> float:
-    """E[max(longest response, total work / concurrency)] over batches of ``batch`` i.i.d.
-    draws: no schedule of one barrier batch on ``concurrency`` slots finishes sooner (the
-    longest request runs on one slot; the slots cannot do more than ``concurrency`` units of
-    work per unit). Monte Carlo with a fixed seed; exact ``expected_max`` when everything
-    starts at once (``concurrency >= batch``)."""
+    """E[max(longest response, total work / concurrency)] over barrier batches of ``batch``
+    responses: ``batch / group_size`` prompts drawn i.i.d., the G responses of a prompt equally
+    long (as the simulator's task makes them). No schedule of one batch on ``concurrency`` slots
+    finishes sooner: the longest request runs on one slot, and the slots do at most
+    ``concurrency`` units of work per unit. Monte Carlo with a fixed seed; exact
+    ``expected_max`` when everything starts at once (``concurrency >= batch``)."""
+    prompts = max(1, math.ceil(batch / group_size))
     if concurrency >= batch:
-        return expected_max(latencies, batch)
+        return expected_max(latencies, prompts)
     rng = random.Random(0)
     values = [v for v, _ in latencies]
     weights = [p for _, p in latencies]
     total = 0.0
     for _ in range(draws):
-        xs = rng.choices(values, weights, k=batch)
-        total += max(max(xs), sum(xs) / concurrency)
+        xs = rng.choices(values, weights, k=prompts)
+        total += max(max(xs), group_size * sum(xs) / concurrency)
     return total / draws
 
 
@@ -78,27 +84,33 @@ def bounds(
     concurrency: int,
     step_time: float,
     max_tokens: float | None = None,
+    group_size: int = 1,
+    sync_every: int = 1,
 ) -> dict:
     """Analytical sync and pipeline bounds. A response stops at ``max_tokens`` (one time unit
     per token), so latencies above it count as ``max_tokens``: without that clip a workload with
     a tail beyond the cap would make "sync" beat its own bound. A sync iteration cannot be
     shorter than its batch's makespan bound (``sync_makespan``: the longest response, or the
-    batch's work spread over the engine's slots when the batch exceeds them) plus the step."""
+    batch's work spread over the engine's slots when the batch exceeds them) plus the step.
+
+    ``staleness_floor_at_bound``: every sample generating or waiting when the weights change
+    gains a version, and a version trains ``batch * sync_every`` samples. A pipeline at the
+    bound that trains the issued mix has about bound x E[L] samples generating (Little's law;
+    for a generation-bound pipeline that is the whole engine, ``concurrency``), so its mean
+    staleness is at least about bound x E[L] / (batch x sync_every). It says nothing about a
+    pipeline below the bound (sync is at staleness 0), nor about one that drops long groups."""
     if max_tokens is not None:
         latencies = [(min(v, max_tokens), p) for v, p in latencies]
     total = sum(p for _, p in latencies)
     mean_latency = sum(v * p for v, p in latencies) / total
-    sync_iter = sync_makespan(latencies, batch, concurrency) + step_time
+    sync_iter = sync_makespan(latencies, batch, concurrency, group_size) + step_time
     bound = min(concurrency / mean_latency, batch / step_time if step_time else math.inf)
     return {
         "sync_samples_per_unit": batch / sync_iter,
         "pipeline_bound_samples_per_unit": bound,
         "mean_latency": mean_latency,
         "sync_iteration_time": sync_iter,
-        # Little's law: training X samples per unit from responses E[L] units long keeps
-        # X E[L] samples outstanding, about X E[L] / batch policy versions of age (one version
-        # per batch), if the trained mix is the issued one. At the bound:
-        "staleness_floor_at_bound": bound * mean_latency / batch,
+        "staleness_floor_at_bound": bound * mean_latency / (batch * sync_every),
     }
 
 
@@ -109,14 +121,16 @@ def ratios(
     concurrency: int,
     step_time: float,
     max_tokens: float | None,
+    group_size: int = 1,
+    sync_every: int = 1,
 ) -> dict:
     """A simulated run's throughput against the bounds of the issued mix and of the mix it
     trained. A run that drops long groups trains a shorter mix than it issues and can pass the
     issued mix's bound; against its own mix's bound (what an engine generating only those
     responses could feed) the shortfall is the generation it wasted and the trainer's idling."""
-    b = bounds(latencies, batch, concurrency, step_time, max_tokens)
-    trained = result.get("trained_lengths") or {}
-    mix = bounds([(float(k), v) for k, v in trained.items()], batch, concurrency, step_time) if trained else b
+    b = bounds(latencies, batch, concurrency, step_time, max_tokens, group_size, sync_every)
+    trained = [(float(k), v) for k, v in (result.get("trained_lengths") or {}).items()]
+    mix = bounds(trained, batch, concurrency, step_time, None, group_size, sync_every) if trained else b
     spu = result["samples_per_unit"]
     return {
         "bounds": b,
@@ -149,10 +163,10 @@ def simulate(
     engine = engine or SimEngine(max_concurrency=concurrency)
     concurrency = engine.max_concurrency
     task = task or SimTask.mixture(latencies, num_prompts, seed)
+    controller.batches_per_version = sync_every  # before bind: sizing reads it
     controller.bind(
         RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=seed), GroupAdvantage())
     )
-    controller.batches_per_version = sync_every
     waited, trained = 0.0, 0
     staleness: Counter = Counter()  # histogram, 5+ pooled (display)
     lengths: Counter = Counter()  # trained response lengths (tokens)
@@ -210,7 +224,10 @@ def main(cfg: DictConfig) -> float:
     )
     batch = controller.prompts_per_step * controller.group_size
     conc = sim.concurrency or batch
-    result.update(ratios(result, latencies, batch, conc, sim.step_time, controller.sampling.max_tokens))
+    g, every = controller.group_size, sim.sync_every
+    result.update(
+        ratios(result, latencies, batch, conc, sim.step_time, controller.sampling.max_tokens, g, every)
+    )
     result["mode"] = type(controller).__name__
     result.pop("trained_lengths")
     print(json.dumps(result))

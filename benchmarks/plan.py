@@ -6,7 +6,7 @@ budget, before spending accelerator hours on a sweep.
     python -m benchmarks.plan sim=bimodal --steps 200 --json
 
 Each candidate (mode; staleness bound K; staleness policy; in-flight handling at a weight sync;
-over-provisioning for partial rollout; fixed or ``auto`` sizing; cancelling doomed groups) runs
+over-provisioning for partial rollout, fixed or ``auto``; cancelling doomed groups) runs
 through ``benchmarks.pipeline.simulate``: the real rollout controllers on the simulator's
 virtual clock with the workload's latency mix, concurrency and step time (``conf/sim/``).
 Printed per candidate: trained samples per time unit and as a share of the pipeline bound
@@ -28,7 +28,10 @@ to the run's measured samples/s (runs that differ only in seed are averaged).
     python -m benchmarks.plan --from-run SYNC_RUN ASYNC_RUN --validate outputs/bench/modes5/*/seed*
 
 Without ``--from-run`` the simulator's engine takes one time unit per token per request however
-many run at once (a GPU-like engine); its predictions are for the workload as described.
+many run at once (a GPU-like engine); its predictions are for the workload as described. That
+engine charges nothing to re-prefill a resubmitted request, so aborting in-flight requests at a
+sync (``rollout.inflight=abort``) predicts exactly what keeping them does; a fitted engine
+(``--from-run``) charges its measured prefill delay to every resubmission.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def candidates() -> list[Candidate]:
         Candidate("sync", ("rollout=sync",)),
         Candidate("sync, longest first", ("rollout=sync", "rollout.schedule=longest_first")),
     ]
+    out.append(Candidate("partial alpha auto", ("rollout=partial", "rollout.over_provision=auto")))
     for alpha in (1.5, 2.0):
         out.append(
             Candidate(f"partial alpha {alpha:g}", ("rollout=partial", f"rollout.over_provision={alpha}"))
@@ -68,7 +72,7 @@ def candidates() -> list[Candidate]:
             "rollout.buffer_capacity=auto",
             f"rollout.max_staleness={k}",
         )
-        out.append(Candidate(f"streaming K={k} drop", auto))
+        out.append(Candidate(f"streaming K={k} drop", (*auto, "rollout.cancel_doomed=false")))
         out.append(Candidate(f"streaming K={k} drop + cancel", (*auto, "rollout.cancel_doomed=true")))
         out.append(Candidate(f"streaming K={k} admit", (*auto, "rollout/staleness=admit")))
         out.append(Candidate(f"streaming K={k} abort in-flight", (*auto, "rollout.inflight=abort")))
@@ -102,7 +106,8 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
         )
         batch = ctl.prompts_per_step * ctl.group_size
         conc = cfg.sim.concurrency or batch
-        r = ratios(out, lat, batch, conc, cfg.sim.step_time, ctl.sampling.max_tokens)
+        max_tokens, every = ctl.sampling.max_tokens, cfg.sim.sync_every
+        r = ratios(out, lat, batch, conc, cfg.sim.step_time, max_tokens, ctl.group_size, every)
         trained = out["trained_samples"] / ctl.group_size
         dropped = out["dropped_groups"]
         rows.append(

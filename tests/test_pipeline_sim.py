@@ -96,7 +96,18 @@ def test_sync_makespan_is_the_longest_response_or_the_work_per_slot():
 
     assert sync_makespan([(10, 1.0)], 32, 8) == pytest.approx(40)  # 320 units of work on 8 slots
     assert sync_makespan([(10, 1.0)], 32, 64) == pytest.approx(10)  # everything at once
-    assert sync_makespan([(10, 0.5), (1000, 0.5)], 4, 2) >= expected_max([(10, 0.5), (1000, 0.5)], 4) - 1e-9
+    # G equal-length responses per prompt: 4 prompts of 8, not 32 independent draws
+    lat = [(10, 0.9), (100, 0.1)]
+    assert sync_makespan(lat, 32, 64, group_size=8) == pytest.approx(expected_max(lat, 4))
+    assert sync_makespan([(10, 1.0)], 32, 8, group_size=8) == pytest.approx(40)
+
+
+def test_the_sync_bound_holds_with_groups():
+    lat = [(10, 0.9), (100, 0.1)]
+    cfg = compose(["rollout=sync", "rollout.prompts_per_step=4", "rollout.group_size=8"])
+    out = simulate(instantiate(cfg.rollout), lat, steps=200, step_time=5.0, concurrency=64)
+    bound = bounds(lat, 32, 64, 5.0, group_size=8)["sync_samples_per_unit"]
+    assert out["samples_per_unit"] == pytest.approx(bound, rel=0.1)
 
 
 def test_a_dropping_config_is_also_measured_against_the_mix_it_trains():

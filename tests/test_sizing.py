@@ -22,9 +22,10 @@ def streaming(*overrides: str):
 
 
 class Ctl:
-    def __init__(self, p=16, g=8, k=1, inflight="auto", buffer="auto"):
+    def __init__(self, p=16, g=8, k=1, inflight="auto", buffer="auto", per_version=1):
         self.prompts_per_step, self.group_size, self.max_staleness = p, g, k
         self.max_inflight, self.buffer_capacity = inflight, buffer
+        self.batches_per_version = per_version
 
 
 def test_auto_sizing_follows_the_engine_and_the_batch():
@@ -32,6 +33,8 @@ def test_auto_sizing_follows_the_engine_and_the_batch():
     assert s.inflight == 32  # 256 requests = 32 groups of 8
     assert Sizing.of(Ctl(p=4, g=4, k=2), concurrency=256).inflight == 12  # P (K + 1) < 64 groups
     assert Sizing.of(Ctl(p=16, g=8, k=8), concurrency=256).inflight == 32  # the engine < 144
+    # a version that trains 4 batches lets 4x as many groups be trained within the bound
+    assert Sizing.of(Ctl(p=4, g=4, k=2, per_version=4), concurrency=256).inflight == 48
     assert (s.low, s.outstanding, s.high) == (16, 32 + 16, 32 + 16 * 2)
     s = Sizing.of(Ctl(p=16, g=8, k=3), concurrency=None)  # unbounded engine: what K lets train
     assert s.inflight == 64
@@ -217,6 +220,10 @@ def test_auto_over_provisioning_is_the_engine_in_groups_plus_one_batch():
     assert g8.alpha(256) == pytest.approx(3.0) and g8.alpha(100) == pytest.approx(1 + 13 / 16)
     assert g8.alpha(4096) == pytest.approx(3.0)  # capped: mean staleness about 2 at most
     assert partial("rollout.over_provision=1.5").alpha(64) == pytest.approx(1.5)
+    assert partial("rollout.over_provision=1.5").groups_per_iteration(64) == 48
+    assert partial("rollout.over_provision=auto", "+rollout.max_staleness=1").alpha(64) == pytest.approx(2.0)
+    odd = build(compose(["rollout=partial", "rollout.prompts_per_step=6", "rollout.group_size=1"]).rollout)
+    assert odd.groups_per_iteration(7) == 13  # integers: P + 7, no float rounding
     simulate(ctl, SEED, steps=1, step_time=5.0, concurrency=64)
     assert ctl._sizing.inflight == 96  # what one iteration tops the engine up to
 
@@ -251,3 +258,20 @@ def test_over_provision_auto_passes_validation_and_bad_values_name_the_field():
         validate(compose(["recipe=partial_grpo", "rollout.over_provision=lots"]))
     with pytest.raises(ConfigError, match="rollout.over_provision"):
         partial("rollout.over_provision=0.5")
+
+
+def test_moving_the_bound_resizes_auto_over_provisioning():
+    ctl = partial("rollout.over_provision=auto")
+    simulate(ctl, SEED, steps=2, step_time=5.0, concurrency=64)
+    assert ctl._sizing.inflight == 96  # P + 64 groups
+    ctl.set_max_staleness(1)  # what the drift controller does
+    assert ctl.max_staleness == 1 and ctl._sizing.inflight == 64 and ctl.alpha(64) == pytest.approx(2.0)
+
+
+def test_the_floor_and_the_cap_count_batches_per_version():
+    b = bounds(SEED, 8, 64, 1.0, sync_every=4)  # generation-bound: min(64 / 19, 8 / 1)
+    assert b["staleness_floor_at_bound"] == pytest.approx(64 / (8 * 4))
+    ctl = streaming("rollout.prompts_per_step=8", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto")
+    out = simulate(ctl, SEED, steps=80, step_time=1.0, concurrency=64, sync_every=4)
+    assert ctl._sizing.inflight == 64  # min(64, 8 x 4 x 2): the engine, not one batch's worth
+    assert out["engine_utilisation"] > 0.9

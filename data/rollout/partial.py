@@ -7,21 +7,21 @@ ends at the P-th complete group; the unfinished ones carry over, first in line, 
 staleness policies and selection rules, topped up only at the start of an iteration.
 
 ``over_provision=auto`` sizes alpha from the engine: ``1 + ceil(concurrency / G) / P``, i.e.
-the engine's concurrency in groups plus the batch the iteration trains. With less, the engine
-runs below capacity once the first groups of an iteration finish (nothing is topped up until
-the next one); with more, the extra groups only queue. Nothing is dropped, so the trained mix
-is the issued one; the price is staleness: trained groups are about alpha - 1 versions old on
-average. That is Little's law, not a flaw of the rule: a pipeline that trains X samples per
-second from responses that take E[L] seconds to generate keeps X E[L] samples outstanding, so
-its samples are about X E[L] / (P G) versions old; at the bound of a generation-bound pipeline
-(X = concurrency / E[L]) that is concurrency / (P G) = alpha - 1 (``benchmarks.pipeline``
-prints the floor). Simulator (``python -m benchmarks.plan``): 0.94-0.98 of the pipeline bound at
-mean staleness 1.97-1.98 on the seed, lognormal and bimodal workloads, where alpha = 2 reaches
-0.48-0.65. When training is the bottleneck auto over-provisions (same throughput, staleness
-above what is needed; set alpha by hand there). An engine far larger than the batch would
-make alpha, and the staleness, large (a 4 x 4 test batch on 256 slots: 17), so auto stops at
-alpha = 3 (mean staleness about 2); such a pipeline then reaches about 2 P G / concurrency
-of its bound. Without a known concurrency alpha is 2.
+the engine's concurrency in groups plus the batch the iteration trains (at most 3, and at most
+1 + K under a staleness bound K). With less, the engine runs below capacity once the first
+groups of an iteration finish (nothing is topped up until the next one); with more, the extra
+groups only queue. Nothing is dropped, so the trained mix is the issued one. The price is
+staleness, about alpha - 1 versions on average. Near the bound of a generation-bound pipeline
+that is unavoidable: every sample generating when the weights change gains a version, a full
+engine holds ``concurrency`` of them, and a version trains P G, so the mean staleness of an
+unbiased pipeline at that bound is at least concurrency / (P G) = alpha - 1
+(``benchmarks.pipeline`` prints this floor). Simulator (``python -m benchmarks.plan``): 0.94-0.98
+of the pipeline bound at mean staleness 1.97-1.98 on the seed, lognormal and bimodal workloads,
+where alpha = 2 reaches 0.48-0.65. When training is the bottleneck auto keeps more outstanding
+than needed (same throughput, more staleness; set alpha by hand there). The cap at 3 keeps an
+engine far larger than the batch (a 4 x 4 test batch on 256 slots would get alpha 17) from
+making the staleness large; such a pipeline then reaches about 2 P G / concurrency of its
+bound. Without a known concurrency alpha is 2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from modules.config_errors import check
 from modules.engine.types import SamplingConfig
 
 # auto's alpha is at most 1 + this: mean staleness about 2 versions, whatever the engine's size.
-AUTO_MAX_EXTRA = 2.0
+AUTO_MAX_EXTRA = 2
 
 
 class PartialRollout(StreamingRollout):
@@ -74,19 +74,32 @@ class PartialRollout(StreamingRollout):
         )
         self._iteration_open = False
 
-    def alpha(self, concurrency: int | None) -> float:
-        """The over-provisioning factor: the configured one, or ``auto``'s for ``concurrency``."""
+    def groups_per_iteration(self, concurrency: int | None) -> int:
+        """ceil(alpha P): the configured alpha, or ``auto``'s: P + the engine's concurrency in
+        groups, at most ``AUTO_MAX_EXTRA`` P and at most K P (a bound K on staleness makes
+        groups more than K batches ahead stale on arrival)."""
+        p = self.prompts_per_step
         if self.over_provision != "auto":
-            return float(self.over_provision)
+            return math.ceil(self.over_provision * p)
         if not concurrency:
-            return 2.0
-        extra = math.ceil(concurrency / self.group_size) / self.prompts_per_step
-        return 1.0 + min(extra, AUTO_MAX_EXTRA)
+            return 2 * p
+        extra = min(math.ceil(concurrency / self.group_size), int(AUTO_MAX_EXTRA) * p)
+        return p + min(extra, min(self.max_staleness, 1_000) * p)
+
+    def alpha(self, concurrency: int | None) -> float:
+        """The over-provisioning factor for ``concurrency`` (the configured one unless auto)."""
+        return self.groups_per_iteration(concurrency) / self.prompts_per_step
 
     def bind(self, ctx: RolloutContext) -> None:
-        n = math.ceil(self.alpha(ctx.engine.concurrency) * self.prompts_per_step)
-        self.max_inflight = self.buffer_capacity = n
+        self.max_inflight = self.buffer_capacity = self.groups_per_iteration(ctx.engine.concurrency)
         super().bind(ctx)
+
+    def set_max_staleness(self, value: int) -> None:
+        """A new bound (``modules.controller``) also resizes auto's over-provisioning."""
+        self.max_staleness = value
+        if self.ctx is not None:
+            self.max_inflight = self.buffer_capacity = self.groups_per_iteration(self.ctx.engine.concurrency)
+        super().set_max_staleness(value)
 
     def check_advantage(self, advantage: object) -> None:
         # Iterations count whole groups: responses are never released one by one here.

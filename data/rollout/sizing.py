@@ -4,10 +4,11 @@ flight + ready), from the engine and the batch instead of fixed numbers.
 ``rollout.max_inflight=auto``: at most the engine's concurrency in groups generate at once,
 ``ceil(engine.concurrency / G)`` (vLLM's ``max_num_seqs``): more would only queue, and queued
 requests age without generating; and at most what the staleness bound lets the trainer use,
-``P * (K + 1)``: with N groups outstanding a group waits about N / P versions (Little's law),
+``P * s * (K + 1)`` with ``s`` batches per version (``data.sync_every``): with N groups
+outstanding a group waits about N / (P s) versions (Little's law),
 so more than that would mostly be dropped (a 4-group test batch on a 256-slot engine would
 otherwise keep 64 groups generating). ``rollout.buffer_capacity=auto``: at most that plus
-``P * (K + 1)`` groups outstanding (generating or ready), what can be trained before the oldest
+``P * s * (K + 1)`` groups outstanding (generating or ready), what can be trained before the oldest
 exceeds the bound.
 
 Rate matching (with ``max_inflight=auto``) moves the outstanding target between one batch
@@ -43,7 +44,8 @@ class Sizing:
     @classmethod
     def of(cls, ctl: Any, concurrency: int | None) -> Sizing:
         p, g = ctl.prompts_per_step, ctl.group_size
-        trainable = p * (min(ctl.max_staleness, 1_000) + 1)
+        # a version trains batches_per_version batches (data.sync_every)
+        trainable = p * ctl.batches_per_version * (min(ctl.max_staleness, 1_000) + 1)
         auto = ctl.max_inflight == "auto"
         if auto:
             inflight = min(math.ceil(concurrency / g), trainable) if concurrency else trainable
