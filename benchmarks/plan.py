@@ -291,8 +291,8 @@ def main() -> None:
         for r in sorted(result["candidates"], key=lambda r: -r["samples_per_unit"]):
             print(
                 f"{r['candidate']:34} {r['samples_per_unit']:12.3f} {r['of_pipeline_bound']:8.2f} "
-                f"{r.get('of_trained_mix_bound', r['of_pipeline_bound']):6.2f} "
-                f"{r['staleness_mean']:9.2f} {r['drop_rate']:7.2f} {r['level_kl']:8.3f}"
+                + (f"{r['of_trained_mix_bound']:6.2f} " if "of_trained_mix_bound" in r else f"{'-':>6} ")
+                + f"{r['staleness_mean']:9.2f} {r['drop_rate']:7.2f} {r['level_kl']:8.3f}"
             )
         rec = result["recommended"]
         print(

@@ -258,6 +258,8 @@ def test_over_provision_auto_passes_validation_and_bad_values_name_the_field():
         validate(compose(["recipe=partial_grpo", "rollout.over_provision=lots"]))
     with pytest.raises(ConfigError, match="rollout.over_provision"):
         partial("rollout.over_provision=0.5")
+    with pytest.raises(ConfigError, match="rollout.over_provision"):
+        partial("rollout.over_provision=inf")
 
 
 def test_moving_the_bound_resizes_auto_over_provisioning():

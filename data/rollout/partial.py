@@ -55,8 +55,13 @@ class PartialRollout(StreamingRollout):
         check(
             "rollout.over_provision",
             over_provision,
-            over_provision == "auto" or (isinstance(over_provision, int | float) and over_provision >= 1.0),
-            "auto (engine concurrency in groups + one batch) or a float >= 1 (alpha)",
+            over_provision == "auto"
+            or (
+                isinstance(over_provision, int | float)
+                and not isinstance(over_provision, bool)
+                and 1.0 <= over_provision < math.inf
+            ),
+            "auto (engine concurrency in groups + one batch) or a finite float >= 1 (alpha)",
         )
         self.over_provision = over_provision
         n = math.ceil((2.0 if over_provision == "auto" else over_provision) * prompts_per_step)
