@@ -128,6 +128,9 @@ def test_contention_is_fitted_from_runs_that_shared_the_machine_and_runs_that_di
     t0, t = fit_trainer([2.0, 2.0 * 1.3], [0.0, 1.0])
     assert (t0, t) == pytest.approx((2.0, 0.3))
     assert fit_trainer([2.0, 2.2], [0.9, 0.9]) == pytest.approx((2.1, 0.0))
+    # two async runs only: too little spread in v to extrapolate, and a downward slope is noise
+    assert fit_trainer([1.63, 2.12], [0.99, 0.93]) == pytest.approx((1.875, 0.0))
+    assert fit_trainer([2.5, 2.0], [0.0, 1.0]) == pytest.approx((2.25, 0.0))
 
 
 def test_a_shared_machine_slows_both_sides_in_the_simulator():
