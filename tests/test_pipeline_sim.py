@@ -104,8 +104,8 @@ def test_sync_makespan_is_the_longest_response_or_the_work_per_slot():
 
 def test_the_sync_bound_holds_with_groups():
     lat = [(10, 0.9), (100, 0.1)]
-    cfg = compose(["rollout=sync", "rollout.prompts_per_step=4", "rollout.group_size=8"])
-    out = simulate(instantiate(cfg.rollout), lat, steps=200, step_time=5.0, concurrency=64)
+    ctl = controller("sync", "rollout.prompts_per_step=4", "rollout.group_size=8")  # 4 prompts x 8
+    out = simulate(ctl, lat, steps=200, step_time=5.0, concurrency=64)
     bound = bounds(lat, 32, 64, 5.0, group_size=8)["sync_samples_per_unit"]
     assert out["samples_per_unit"] == pytest.approx(bound, rel=0.1)
 
