@@ -35,17 +35,22 @@ def check_environment(cfg: DictConfig) -> None:
                 "the SFT warm start: run `make sft` first",
             )
     _check_context_length(cfg)
+    _check_tensor_parallel(cfg)
     _check_machine(cfg)
+
+
+def _model_config(cfg: DictConfig) -> dict | None:
+    path = Path(str(cfg.module.model_path), "config.json")
+    if not path.is_file():
+        return None  # a hub id: its config is only known once downloaded
+    import json
+
+    return json.loads(path.read_text())
 
 
 def _check_context_length(cfg: DictConfig) -> None:
     """vLLM refuses an ``engine.max_model_len`` beyond the model's positions (at engine start)."""
-    path = Path(str(cfg.module.model_path), "config.json")
-    if not path.is_file():
-        return  # a hub id: its config is only known once downloaded
-    import json
-
-    positions = json.loads(path.read_text()).get("max_position_embeddings")
+    positions = (_model_config(cfg) or {}).get("max_position_embeddings")
     if isinstance(positions, int):
         check(
             "engine.max_model_len",
@@ -55,10 +60,54 @@ def _check_context_length(cfg: DictConfig) -> None:
         )
 
 
+def engine_tensor_parallel(engine: DictConfig) -> int:
+    """GPUs per engine replica: the engine's GPUs (placed list, else ``num_gpus``) / replicas."""
+    gpu_ids = engine.get("gpu_ids")
+    if gpu_ids is None:
+        return 1
+    n = len(gpu_ids) if OmegaConf.is_list(gpu_ids) else int(engine.get("num_gpus", 1))
+    return max(1, n // int(engine.get("replicas", 1)))
+
+
+def tensor_parallel_problem(tp: int, heads: int | None, kv_heads: int | None) -> str | None:
+    """Why vLLM would refuse tensor parallelism ``tp`` on a model (None: it fits). Attention
+    heads split evenly across ranks; KV heads split evenly too, or, when fewer than the ranks,
+    are replicated, which needs ``tp`` to be a multiple of them."""
+    if heads is not None and heads % tp:
+        return f"{heads} attention heads do not split over {tp} GPUs"
+    if kv_heads is not None and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        return f"{kv_heads} KV heads neither split over {tp} GPUs nor replicate evenly onto them"
+    return None
+
+
+def _check_tensor_parallel(cfg: DictConfig) -> None:
+    tp = engine_tensor_parallel(cfg.engine)
+    model = _model_config(cfg)
+    if tp == 1 or model is None:
+        return
+    heads = model.get("num_attention_heads")
+    problem = tensor_parallel_problem(tp, heads, model.get("num_key_value_heads", heads))
+    field = "engine.num_gpus" if cfg.engine.get("gpu_ids") == "auto" else "engine.gpu_ids"
+    ok = [
+        t
+        for t in range(1, 65)
+        if tensor_parallel_problem(t, heads, model.get("num_key_value_heads", heads)) is None
+    ]
+    check(
+        field,
+        OmegaConf.select(cfg, field),
+        problem is None,
+        f"GPUs per engine replica (engine GPUs / engine.replicas={cfg.engine.get('replicas', 1)}) "
+        f"that {cfg.module.model_path} can be tensor-parallel over: one of {ok[:8]} ({problem})",
+    )
+
+
 def _check_machine(cfg: DictConfig) -> None:
     engine, trainer = cfg.engine, cfg.trainer
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     cores = engine.get("cpu_cores")
+    if OmegaConf.is_list(cores):  # one spec per replica: the engines take their union
+        cores = ",".join(str(c) for c in cores)
     if engine.get("gpu_ids") is None and names_cores(cores) and usable is not None:
         try:
             wanted = parse_cores(str(cores))

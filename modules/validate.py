@@ -31,6 +31,7 @@ INTS = (
     "engine.max_model_len",
     "engine.max_num_seqs",
     "engine.cpu_kvcache_gb",
+    "engine.replicas",
     "algo.minibatches",
     "algo.epochs",
     "data.train_size",
@@ -101,6 +102,9 @@ def _check_or_auto(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> None:
     _check_types(cfg)
     _check_or_auto(cfg)
+    from modules.sharding import validate_sharding
+
+    validate_sharding(cfg)  # trainer.strategy: a known name, or FSDP2 with what it needs
     trainer = cfg.get("trainer") or {}
     check(
         "trainer.max_steps",

@@ -311,6 +311,10 @@ def test_sigterm_under_ddp_stops_all_ranks_with_a_checkpoint(tmp_path, models):
     assert not wait_gone(proc.pid), "processes outlived SIGTERM under DDP"
 
 
+# Streaming runs on two engine replicas (one per core; modules/engine/replicas.py), partial on one.
+REPLICAS = {"async_grpo": ["engine.replicas=2", "engine.cpu_cores=0-1", "engine.pin_trainer=false"]}
+
+
 @pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
 def test_async_recipes_end_to_end(tmp_path, models, recipe):
     steps = 4
@@ -321,6 +325,7 @@ def test_async_recipes_end_to_end(tmp_path, models, recipe):
         f"model.path={models['tied']}",
         "task._target_=tests.helpers.DigitShareTask",
         f"trainer.max_steps={steps}",
+        *REPLICAS.get(recipe, []),
     )
     train_rows = [r for r in rows if r["train/loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(steps))
@@ -331,6 +336,9 @@ def test_async_recipes_end_to_end(tmp_path, models, recipe):
     if recipe == "async_grpo":
         assert max(stale) <= 2  # max_staleness=2 with drop
     assert "rollout/inflight" in rows[0] and "rollout/buffer_size" in rows[0]
+    if recipe in REPLICAS:  # both replicas generated, and every sync was verified on both
+        last = [r for r in rows if r.get("perf/engine1/requests")][-1]
+        assert float(last["perf/engine0/requests"]) > 0 and float(last["perf/engine1/requests"]) > 0
 
 
 def trained_prompts(run_dir: Path) -> list[dict]:

@@ -9,7 +9,8 @@ How it differs from the CPU path:
 * This path: the engine is built with vLLM's ``WeightTransferConfig(backend="nccl")``, so each
   engine worker owns a ``NCCLWeightTransferEngine``. On the first sync the trainer process
   joins those workers in a private NCCL group (trainer = rank 0, engine workers = ranks
-  1..N, rendezvous over a TCP store on 127.0.0.1); from then on every sync is a broadcast
+  1..N, rendezvous over a TCP store on ``engine.nccl_host``, 127.0.0.1 by default: the engine
+  runs inside the trainer's rank-0 process, so its GPUs are on that node); from then on every sync is a broadcast
   from the trainer's GPU straight into the engine's GPUs, driven by vLLM's
   ``NCCLTrainerWeightTransferEngine.send_weights`` (start_weight_update -> update_weights
   concurrently with the broadcast -> finish_weight_update).

@@ -52,10 +52,10 @@ def scratch_dir(nbytes: int) -> str | None:
     return None
 
 
-def make_transfer(kind: str, engine_ranks: int, dtype: str) -> WeightTransfer:
+def make_transfer(kind: str, engine_ranks: int, dtype: str, host: str = "127.0.0.1") -> WeightTransfer:
     """``engine.weight_transfer``: shm (this file) or nccl (GPU only, imported late)."""
     if kind == "nccl":
         from modules.engine.nccl_transfer import NCCLWeightTransfer
 
-        return NCCLWeightTransfer(engine_ranks=engine_ranks, dtype=dtype)
+        return NCCLWeightTransfer(engine_ranks=engine_ranks, dtype=dtype, master_address=host)
     return SharedMemoryWeightTransfer()

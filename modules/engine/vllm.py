@@ -37,6 +37,7 @@ from modules.engine.types import (
     WeightTransfer,
     as_version,
 )
+from modules.engine.waits import HealthCheckedWaits
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 SHUTDOWN_GRACE_S = 30.0
 
 
-class VLLMEngine:
+class VLLMEngine(HealthCheckedWaits):
     """In-process handle on a vLLM AsyncLLM rollout engine.
 
     Construction only validates arguments; ``start()`` builds the engine (about 15-30 s).
@@ -71,6 +72,7 @@ class VLLMEngine:
         health_poll_s: float = 0.5,
         pin_trainer: bool = True,
         weight_transfer: str = "shm",
+        nccl_host: str = "127.0.0.1",
         chunked_prefill: bool | None = None,
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
@@ -107,6 +109,7 @@ class VLLMEngine:
         self.health_poll_s = health_poll_s
         self.pin_trainer = pin_trainer
         self.weight_transfer = weight_transfer
+        self.nccl_host = nccl_host  # the NCCL rendezvous: the engine lives in this process's node
         self._transfer: WeightTransfer | None = None  # built in start()
         self.pinning = CorePinning(cpu_cores if pin_trainer and gpu_ids is None else None)  # CPU only
         self._reaper: Any = None
@@ -141,7 +144,9 @@ class VLLMEngine:
             )
         configure_engine_env(self.cpu_cores, self.cpu_kvcache_gb, self.gpu_ids)
         if self._transfer is None:
-            self._transfer = make_transfer(self.weight_transfer, len(self.gpu_ids or ()), self.dtype)
+            self._transfer = make_transfer(
+                self.weight_transfer, len(self.gpu_ids or ()), self.dtype, self.nccl_host
+            )
         children_before = reaper.child_pids()
         self._thread = LoopThread("asyncrl-engine")
         try:
@@ -235,42 +240,9 @@ class VLLMEngine:
         codes = ", ".join(f"{name} exit code {code}" for name, code in procs.items())
         return codes + (" (killed by a signal)" if any(c < 0 for c in procs.values()) else "")
 
-    def wait_result(self, fut: cf.Future, timeout: float | None = None) -> Any:
-        """``fut.result()`` that checks engine health while waiting."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=self.health_poll_s)
-            except cf.TimeoutError:
-                self.check_health()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise EngineError(f"engine call timed out after {timeout} s") from None
-
-    def wait_any(self, pending: set[cf.Future]) -> set[cf.Future]:
-        """Block until at least one future is done, checking engine health while waiting.
-
-        Raises ``EngineError`` if the engine dies, or if nothing finishes within
-        ``engine.stall_timeout_s`` (a live but stuck engine must not hang training).
-        """
-        deadline = time.monotonic() + self.stall_timeout_s
-        while True:
-            done, _ = cf.wait(pending, timeout=self.health_poll_s, return_when=cf.FIRST_COMPLETED)
-            if done:
-                return done
-            self.check_health()
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"no response finished within engine.stall_timeout_s={self.stall_timeout_s:g} s "
-                    f"({len(pending)} requests in flight): engine stalled"
-                )
-
     def on_done(self, fut: cf.Future, fn: Any) -> None:
         assert self._callbacks is not None, "engine not started"
         self._callbacks.on_done(fut, fn)
-
-    def wait_on(self, cv: threading.Condition) -> None:
-        cv.wait(timeout=self.health_poll_s)
-        self.check_health()
 
     def _call(self, coro: Any) -> cf.Future:
         self.check_health()
@@ -369,17 +341,28 @@ class VLLMEngine:
         waits for them. The tensors travel by the engine's ``WeightTransfer`` (shm or NCCL).
         """
         check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
-        assert self._transfer is not None, "engine not started"
         t0 = time.perf_counter()
+        self.pause(inflight)
+        self.load(named_tensors, version)
+        self.resume()
+        return time.perf_counter() - t0
+
+    # The three phases of ``update_weights``, separate so that several replicas can all pause,
+    # then all load, then all resume: no replica serves the new version before every one has it.
+    def pause(self, inflight: str = "keep") -> None:
         # clear_cache=True always: stale KV would make later tokens match neither policy.
         self.wait_result(self._call(self._llm.pause_generation(mode=inflight, clear_cache=True)))
+
+    def load(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        assert self._transfer is not None, "engine not started"
         self._transfer.send(named_tensors, self._llm, lambda coro, t: self.wait_result(self._call(coro), t))
         # Cached prompt KV was computed by the old weights: never reuse it for the new policy.
         self.wait_result(self._call(self._llm.reset_prefix_cache()), timeout=60)
         self.wait_result(self._call(self._llm.update_weight_version(str(version))), timeout=60)
         self.version = version
+
+    def resume(self) -> None:
         self.wait_result(self._call(self._llm.resume_generation()), timeout=60)
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float]:
