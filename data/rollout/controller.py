@@ -18,6 +18,7 @@ from data.rollout.bias import BiasTracker
 from data.rollout.experience import Experience
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import RewardRunner, RewardWorkerError
+from data.rollout.shaping import InformativeGroups, Overlong
 from modules.config_errors import check, check_choice
 from modules.engine.types import Completion, Engine, SamplingConfig
 
@@ -76,7 +77,14 @@ class RolloutController:
     # The trainer's version when it differs from the engine's (a delayed sync, sync mode only).
     trainer_version: int | None = None
 
-    def __init__(self, prompts_per_step: int, group_size: int, sampling: SamplingConfig) -> None:
+    def __init__(
+        self,
+        prompts_per_step: int,
+        group_size: int,
+        sampling: SamplingConfig,
+        group_filter: InformativeGroups | None = None,
+        overlong: Overlong | None = None,
+    ) -> None:
         check(
             "rollout.prompts_per_step",
             prompts_per_step,
@@ -109,6 +117,11 @@ class RolloutController:
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.sampling = sampling
+        # DAPO's shaping (data/rollout/shaping.py): dynamic sampling, overlong mask / penalty
+        self.group_filter = group_filter
+        self.overlong = overlong
+        if overlong is not None:
+            overlong.check_fits(sampling.max_tokens)
         self.ctx: RolloutContext | None = None
         self.bias = BiasTracker()
         self.next_group_id = 0
@@ -261,7 +274,12 @@ class RolloutController:
         if not spans:
             spans = [(p.policy_version, 0, len(token_ids))]
         text = ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
-        reward = self.score(p.row, text)
+        reward = task_reward = self.score(p.row, text)
+        truncated = comp.truncated or len(token_ids) >= self.sampling.max_tokens
+        mask = None
+        if self.overlong is not None:
+            reward += self.overlong.length_penalty(len(token_ids), self.sampling.max_tokens)
+            mask = self.overlong.mask(truncated, len(token_ids))
         exp = Experience(
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,
@@ -274,14 +292,21 @@ class RolloutController:
             sampling={**self.sampling.as_dict(), "seed": p.seed},
             gen_start=p.gen_start if p.gen_start is not None else comp.start_time,
             gen_end=comp.end_time,
-            truncated=comp.truncated or len(token_ids) >= self.sampling.max_tokens,
+            truncated=truncated,
             finish_reason=comp.finish_reason,
             version_spans=merge_spans(spans),
+            loss_mask=mask,
             difficulty=p.row.get("level"),
             splits=p.splits,
         )
+        if self.overlong is not None:
+            exp.extras["task_reward"] = task_reward
         self.bias.on_generated(exp)
         return exp
+
+    def informative(self, group: list[Experience]) -> bool:
+        """Whether ``rollout.group_filter`` keeps a complete group (always, without one)."""
+        return self.group_filter is None or self.group_filter.keep([e.reward for e in group])
 
     def finish_group(self, group: list[Experience]) -> list[Experience]:
         """Attach advantages once all G rewards are in."""

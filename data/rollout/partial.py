@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 from data.rollout.controller import RolloutContext, RolloutController
+from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.staleness import StalenessPolicy
 from data.rollout.streaming import StreamingRollout
 from modules.config_errors import check
@@ -51,6 +52,8 @@ class PartialRollout(StreamingRollout):
         max_staleness: int = 1_000_000,
         staleness: StalenessPolicy | None = None,
         wait_timeout_s: float = 600.0,
+        group_filter: InformativeGroups | None = None,
+        overlong: Overlong | None = None,
     ) -> None:
         check(
             "rollout.over_provision",
@@ -76,6 +79,8 @@ class PartialRollout(StreamingRollout):
             inflight=inflight,
             wait_timeout_s=wait_timeout_s,
             cancel_doomed=False,  # K is loose here (default unbounded): nothing is doomed
+            group_filter=group_filter,
+            overlong=overlong,
         )
         self._iteration_open = False
 
@@ -115,6 +120,12 @@ class PartialRollout(StreamingRollout):
         if not self._iteration_open:
             return 0
         return self._sizing.inflight - len(self._buffer)
+
+    def _replace_refused(self) -> None:
+        # Top-ups happen only at an iteration's start: replace a refused group at once, so
+        # the iteration still reaches P informative groups.
+        if not self._closed and self._error is None:
+            self._start_group()
 
     def _start_iteration(self) -> None:
         self._iteration_open = True

@@ -33,8 +33,10 @@ from data.rollout.bias import reweight_by_level
 from data.rollout.controller import Pending, RolloutContext, RolloutController
 from data.rollout.experience import Experience
 from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
+from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessPolicy
+from data.rollout.streaming_state import StreamingCheckpoint
 from modules.config_errors import check, check_choice
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
 
@@ -46,7 +48,7 @@ class _Group:
     exps: list[Experience] = field(default_factory=list)
 
 
-class StreamingRollout(RolloutController):
+class StreamingRollout(StreamingCheckpoint, RolloutController):
     def __init__(
         self,
         prompts_per_step: int,
@@ -62,8 +64,10 @@ class StreamingRollout(RolloutController):
         selection: BatchSelection | None = None,
         reweight: bool = False,
         cancel_doomed: bool = False,
+        group_filter: InformativeGroups | None = None,
+        overlong: Overlong | None = None,
     ) -> None:
-        super().__init__(prompts_per_step, group_size, sampling)
+        super().__init__(prompts_per_step, group_size, sampling, group_filter, overlong)
         check(
             "rollout.max_inflight",
             max_inflight,
@@ -111,7 +115,15 @@ class StreamingRollout(RolloutController):
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
-        counted = ("dropped", "cancelled", "downweighted", "recomputed", "carried_over", "expired")
+        counted = (
+            "dropped",
+            "cancelled",
+            "downweighted",
+            "recomputed",
+            "carried_over",
+            "expired",
+            "filtered",
+        )
         self.counters = dict.fromkeys(counted, 0)
 
     def check_advantage(self, advantage: Any) -> None:
@@ -121,6 +133,13 @@ class StreamingRollout(RolloutController):
             not (advantage.per_response and self.admission_control),
             "a group-wise estimator (algo/advantage=group) with rollout.staleness=Admit "
             "(admission control counts whole groups)",
+        )
+        check(
+            "algo.advantage",
+            type(advantage).__name__,
+            not (advantage.per_response and self.group_filter is not None),
+            "a group-wise estimator (algo/advantage=group) with rollout.group_filter (it judges "
+            "complete groups; a running baseline releases responses one by one)",
         )
 
     def bind(self, ctx: RolloutContext) -> None:
@@ -167,12 +186,18 @@ class StreamingRollout(RolloutController):
             and len(self._groups) + len(self._buffer) / self._units_per_group < self._sizing.outstanding
             and self._admission_open()
         ):
-            row = self.ctx.prompts.next()
-            gid = self.next_group_id
-            self._groups[gid] = _Group(row, self.ctx.engine.version)
-            self.started_groups += 1
-            for fut, p in self.submit_group(row).items():
-                self._track(fut, p)
+            self._start_group()
+
+    def _start_group(self) -> None:
+        row = self.ctx.prompts.next()
+        gid = self.next_group_id
+        self._groups[gid] = _Group(row, self.ctx.engine.version)
+        self.started_groups += 1
+        for fut, p in self.submit_group(row).items():
+            self._track(fut, p)
+
+    def _replace_refused(self) -> None:
+        """A group refused by ``rollout.group_filter``: the top-up that follows replaces it."""
 
     def _track(self, fut: cf.Future, p: Pending) -> None:
         self._requests[fut] = p
@@ -207,6 +232,10 @@ class StreamingRollout(RolloutController):
                 group.exps.append(exp)
                 if self.ctx.advantage.per_response:
                     self._release_single(p.group_id, group, exp)
+                elif len(group.exps) == self.group_size and not self.informative(group.exps):
+                    del self._groups[p.group_id]  # dynamic sampling: refused, replaced
+                    self.counters["filtered"] += 1
+                    self._replace_refused()
                 elif len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
                     exps = self.finish_group(group.exps)
@@ -342,55 +371,3 @@ class StreamingRollout(RolloutController):
             self._closed = True
             self._cv.notify_all()
         super().close()  # reward worker processes (outside the lock: stopping one can take ~1 s)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Counts for tests and metrics (taken under the lock)."""
-        with self._cv:
-            return {
-                "buffer": len(self._buffer),
-                "inflight_groups": len(self._groups),
-                "inflight_requests": len(self._requests),
-                "started_groups": self.started_groups,
-                **self.counters,
-            }
-
-    def outstanding_prompts(self) -> list[int]:
-        """Row indexes of groups generating or buffered (oldest first), for checkpoints.
-
-        Policy: a checkpoint does not store partial generations; the prompts of outstanding
-        groups are re-queued at the front on resume, so each is trained once (regenerated
-        with the checkpoint's weights)."""
-        with self._cv:
-            prompts = self.ctx.prompts
-            rows = {gid: g.row for gid, g in self._groups.items()}
-            for r in self._buffer:
-                if r.exps and "row" in r.exps[0].extras:
-                    rows.setdefault(r.group_id, r.exps[0].extras["row"])
-            return [prompts.index_of(row) for row in rows.values()]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything that changes what is trained next. Outstanding groups are re-issued on
-        resume (their prompts are re-queued), so they are taken out of the issued counts."""
-        with self._cv:
-            state = super().state_dict()
-            levels = {gid: g.row.get("level") for gid, g in self._groups.items()}
-            for r in self._buffer:
-                levels.setdefault(r.group_id, r.level)
-            issued = dict(self.bias.issued_levels)
-            for level in levels.values():  # each outstanding group is issued again, G samples
-                issued[level] -= self.group_size
-            state["bias"]["issued_levels"] = [[k, v] for k, v in issued.items()]
-            return {
-                **state,
-                "started_groups": self.started_groups,
-                "taken": [self._taken_at, self._taken_count],  # admission control's count
-                "trained_levels": [[k, v] for k, v in self._trained_levels.items()],  # reweighting
-                "counters": dict(self.counters),
-            }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.started_groups = int(state.get("started_groups", 0))
-        self._taken_at, self._taken_count = (int(x) for x in state.get("taken", (-1, 0)))
-        self._trained_levels = {k: v for k, v in state.get("trained_levels", [])}
-        self.counters.update(state.get("counters", {}))

@@ -15,15 +15,22 @@ from collections import defaultdict
 from data.rollout.controller import RolloutController
 from data.rollout.experience import Experience
 from data.rollout.scheduling import SCHEDULES, LengthPredictor
+from data.rollout.shaping import InformativeGroups, Overlong
 from modules.config_errors import check_choice
 from modules.engine.types import SamplingConfig
 
 
 class SyncRollout(RolloutController):
     def __init__(
-        self, prompts_per_step: int, group_size: int, sampling: SamplingConfig, schedule: str = "fifo"
+        self,
+        prompts_per_step: int,
+        group_size: int,
+        sampling: SamplingConfig,
+        schedule: str = "fifo",
+        group_filter: InformativeGroups | None = None,
+        overlong: Overlong | None = None,
     ) -> None:
-        super().__init__(prompts_per_step, group_size, sampling)
+        super().__init__(prompts_per_step, group_size, sampling, group_filter, overlong)
         check_choice("rollout.schedule", schedule, SCHEDULES)
         self.schedule = schedule
         self.lengths = LengthPredictor()
@@ -31,7 +38,21 @@ class SyncRollout(RolloutController):
     def next_batch(self) -> list[Experience]:
         ctx = self.ctx
         assert ctx is not None, "controller not bound to an engine"
-        plans = [self.plan_group(ctx.prompts.next()) for _ in range(self.prompts_per_step)]
+        batch = self._round(self.prompts_per_step)
+        if self.group_filter is not None:
+            batch = self._informative_batch(batch)
+        # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
+        # ahead of the engine that generated the batch
+        current = ctx.engine.version if self.trainer_version is None else self.trainer_version
+        for e in batch:
+            e.staleness = current - min(e.token_versions(), default=e.policy_version)
+        return batch
+
+    def _round(self, n_groups: int) -> list[Experience]:
+        """Sample ``n_groups`` groups with the current weights and wait for all of them."""
+        ctx = self.ctx
+        assert ctx is not None
+        plans = [self.plan_group(ctx.prompts.next()) for _ in range(n_groups)]
         if self.schedule == "longest_first":  # ids (seeds) as FIFO's; only the order changes
             plans.sort(key=lambda group: -self.lengths.predict(group[0].row))
         rows = {group[0].group_id: group[0].row for group in plans}
@@ -50,9 +71,30 @@ class SyncRollout(RolloutController):
         for gid in sorted(groups):
             self.lengths.observe(rows[gid], [len(e.response_ids) for e in groups[gid]])
             batch += self.finish_group(groups[gid])
-        # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
-        # ahead of the engine that generated the batch
-        current = ctx.engine.version if self.trainer_version is None else self.trainer_version
-        for e in batch:
-            e.staleness = current - min(e.token_versions(), default=e.policy_version)
         return batch
+
+    def _informative_batch(self, batch: list[Experience]) -> list[Experience]:
+        """Dynamic sampling: more rounds until P informative groups (``data/rollout/shaping.py``);
+        surplus informative groups are not trained (counted in ``rollout/filter_surplus``)."""
+        f, p, g = self.group_filter, self.prompts_per_step, self.group_size
+        assert f is not None
+        groups = [batch[i : i + g] for i in range(0, len(batch), g)]
+        kept = [x for x in groups if self.informative(x)]
+        refused = [x for x in groups if not self.informative(x)]
+        seen = len(groups)
+        for _ in range(f.max_rounds):
+            if len(kept) >= p:
+                break
+            more = self._round(f.extra_groups(p - len(kept), len(kept), seen, 4 * p))
+            fresh = [more[i : i + g] for i in range(0, len(more), g)]
+            seen += len(fresh)
+            kept += [x for x in fresh if self.informative(x)]
+            refused += [x for x in fresh if not self.informative(x)]
+        fill = max(0, p - len(kept))
+        count = self.stats.get
+        self.stats["rollout/filtered"] = count("rollout/filtered", 0.0) + len(refused)
+        self.stats["rollout/filter_fill"] = count("rollout/filter_fill", 0.0) + fill
+        self.stats["rollout/filter_surplus"] = count("rollout/filter_surplus", 0.0) + max(0, len(kept) - p)
+        self.stats["rollout/groups_sampled_per_trained"] = seen / p
+        chosen = kept[:p] + refused[:fill]
+        return [e for x in chosen for e in x]

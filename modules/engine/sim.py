@@ -94,6 +94,7 @@ class _Req:
     switches: list[tuple[float, int]] = field(default_factory=list)  # (token clock, new version)
     start_version: int = 0
     tick0: float = 0.0  # the token clock when its first token started (after the prefill)
+    cut: bool = False  # stopped by max_tokens before its natural end ("length", else "stop")
 
 
 class SimEngine:
@@ -178,6 +179,7 @@ class SimEngine:
             length,
             self.now,
             start_version=self.version,
+            cut=total - done > sampling.max_tokens,
         )
         self.submitted += 1
         fut.add_done_callback(lambda f, rid=req.rid: self._cancelled(rid) if f.cancelled() else None)
@@ -233,7 +235,7 @@ class SimEngine:
             req = self._running.pop(rid, None)
             if req is None:
                 continue  # aborted earlier
-            self._finish(req, req.length, "length" if req.length else "stop")
+            self._finish(req, req.length, "length" if req.cut else "stop")
         while self._queue and (self.max_concurrency is None or len(self._running) < self.max_concurrency):
             self._start(self._queue.pop(0))
 
