@@ -7,10 +7,13 @@ import logging
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
 import torch
+
+from modules.sharding import full_weights, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +25,13 @@ class SaveHFModel(L.Callback):
         self.dirpath = dirpath
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # FSDP: every rank gathers the full tensors; rank 0 writes them
+        state = full_weights(pl_module.policy) if is_sharded(pl_module.policy) else None
         if trainer.global_rank != 0:
             return
         out = Path(self.dirpath)
         out.mkdir(parents=True, exist_ok=True)
-        pl_module.policy.save_pretrained(out, safe_serialization=True)
+        pl_module.policy.save_pretrained(out, safe_serialization=True, state_dict=state)
         pl_module.tokenizer.save_pretrained(out)
         if pl_module.policy.generation_config is not None:
             pl_module.policy.generation_config.save_pretrained(out)
@@ -108,12 +113,22 @@ class WeightSync(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, version: int, flush: bool = False
     ) -> None:
         pl_module.policy_version = version
-        if self.verify and trainer.world_size > 1:
+        sharded = is_sharded(pl_module.policy)  # FSDP: one copy of each weight, nothing to compare
+        if self.verify and trainer.world_size > 1 and not sharded:
             self._check_ranks_agree(pl_module, version)
-        if trainer.global_rank != 0:
+        if trainer.global_rank != 0 and not sharded:
             return  # DDP: rank 0 owns the engine; the weights are the same on every rank
+        weights = pl_module.weights_for_engine()  # FSDP: a collective, every rank gathers
+        # FSDP: the verify forward is a collective too: every rank gathers, rank 0 runs it
+        with gathered(pl_module.policy) if self.verify and self.last_probe else nullcontext():
+            if trainer.global_rank == 0:
+                self._push(trainer, pl_module, weights, version, flush)
+
+    def _push(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, weights: dict, version: int, flush: bool
+    ) -> None:
+        """Rank 0: send ``weights`` (or the delayed ones) to the engine and verify them."""
         trainer.datamodule.set_trainer_version(version)  # staleness is counted from it
-        weights = pl_module.weights_for_engine()
         served, served_version = (weights, version) if flush else self._delayed(weights, version)
         if served is not weights and served_version == self.served_version:
             pl_module.last_weight_sync_s = 0.0  # a delayed sync whose served version did not
@@ -352,11 +367,17 @@ class CheckpointOnInterrupt(L.Callback):
             code = EXIT_SIGTERM
         else:
             return
-        if trainer.global_rank == 0:
+        sharded = is_sharded(pl_module.policy)
+        if sharded and code != EXIT_SIGTERM:  # gathering FSDP shards needs every rank here
+            print(f"interrupted (exit {code}); sharded state: no checkpoint written", flush=True)
+            return
+        if trainer.global_rank == 0 or sharded:  # FSDP: SIGTERM stops every rank at this step
             path = Path(self.dirpath) / "interrupted.ckpt"
             # Not trainer.save_checkpoint: its barrier would wait for DDP ranks that may not
             # have seen the signal. Rank 0 holds the full (replicated) state, so it writes alone.
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            if trainer.global_rank != 0:
+                return
             path.parent.mkdir(parents=True, exist_ok=True)
             trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
             print(f"interrupted (exit {code}); checkpoint written to {path}", flush=True)

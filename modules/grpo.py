@@ -37,6 +37,7 @@ from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
 from modules.policy import disable_dropout, load_policy, named_weights
 from modules.schedules import optimizers
+from modules.sharding import full_weights, is_sharded, unshard
 
 
 def reduce_over_ranks(values: dict[str, Any], device: torch.device, world: int) -> dict[str, torch.Tensor]:
@@ -152,6 +153,8 @@ class GRPOModule(L.LightningModule):
         if self._t_start is None:
             self._t_start = time.perf_counter()
             self._samples_at_start = self.samples_trained  # nonzero after a resume
+        if is_sharded(self.policy):  # FSDP: gathered on every rank; forwards until backward are local
+            unshard(self.policy)
         t0 = time.perf_counter()
         wait = prepare = 0.0
         if not self._steps:
@@ -275,7 +278,7 @@ class GRPOModule(L.LightningModule):
         log("perf/weight_sync_s", self.last_weight_sync_s)
         log("perf/weight_verify_s", self.last_weight_verify_s)
         log("perf/weight_sync_max_abs_diff", self.last_weight_sync_diff)
-        if self._trainer is not None and self._trainer.world_size > 1:
+        if self._trainer is not None and self._trainer.world_size > 1 and not is_sharded(self.policy):
             log("perf/rank_weight_max_diff", self.last_rank_weight_diff)
 
     @property
@@ -363,7 +366,8 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ weights
     def weights_for_engine(self) -> dict[str, torch.Tensor]:
-        return named_weights(self.policy)
+        """Under FSDP a collective: every rank gathers the full tensors (modules/sharding.py)."""
+        return full_weights(self.policy) if is_sharded(self.policy) else named_weights(self.policy)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["asyncrl"] = {

@@ -35,6 +35,9 @@ VARIANTS = [
     ["recipe=sft_warmup"],
     ["recipe=gsm8k_grpo"],
     ["recipe=math_grpo"],
+    ["recipe=dapo"],
+    ["rollout/overlong=filter"],
+    ["trainer=fsdp_cpu"],
     *[[f"algo/correction={p.stem}"] for p in sorted((ROOT / "conf/algo/correction").glob("*.yaml"))],
     *[[f"algo/objective={p.stem}"] for p in sorted((ROOT / "conf/algo/objective").glob("*.yaml"))],
 ]
