@@ -20,7 +20,7 @@ else
 	@# `import transformers` beside a +cpu torch; nothing here needs them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 endif
-	$(BIN)/python -c "import vllm, torch, lightning, transformers; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+	$(BIN)/python -c "import vllm, torch, lightning, transformers, math_verify, optuna; print('torch', torch.__version__, '| vllm', vllm.__version__)"
 
 # Supervised warm start the RL recipes begin from (a few minutes on 2 cores).
 sft: $(SFT_MODEL)

@@ -1,6 +1,8 @@
 """MATH recipe, offline: boxed extraction, answer equivalence, prompt format and reward on the
 bundled examples, hub loading with a stand-in ``load_dataset``; the recipe composes and
-validates. Every test passes with and without ``math_verify`` installed."""
+validates. ``make install`` installs math-verify: the tests marked ``needs_math_verify`` run the
+real library (and skip without it); every other test passes with and without it, and the
+fallback (the normalised comparison alone) is tested with the import made to fail."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import threading
 
 import pytest
 
+from data.rollout.rewards import RewardRunner
 from data.tasks.math import (
     EXAMPLES,
     MathTask,
@@ -20,6 +23,7 @@ from data.tasks.math import (
     normalize_answer,
     parse_level,
 )
+from data.tasks.verify import math_verify_match
 from modules.config_errors import ConfigError
 from modules.validate import validate
 from tests.conftest import compose
@@ -30,6 +34,9 @@ try:
     HAVE_MATH_VERIFY = True
 except ImportError:
     HAVE_MATH_VERIFY = False
+needs_math_verify = pytest.mark.skipif(
+    not HAVE_MATH_VERIFY, reason="math-verify not installed (make install)"
+)
 
 
 @pytest.fixture
@@ -162,6 +169,88 @@ def test_reward_on_bundled_examples():
         assert task.reward(half, response) == 1.0, response
     assert task.reward(half, r"\boxed{\frac{1}{2}} no wait, \boxed{3}") == 0.0  # last box counts
     assert task.reward(half, "The answer is 1/2.") == 0.0  # no box, no reward
+
+
+# ---------------------------------------------------------------------- the real math-verify
+def _examples() -> list[tuple[dict, dict]]:
+    raw = [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
+    return list(zip(MathTask(offline=True).build("train", 100), raw))
+
+
+def _wrong(answer: str) -> str:
+    """A wrong answer of the same shape: every digit moved by one, a word swapped."""
+    out = "".join(str((int(c) + 1) % 10) if c.isdigit() else c for c in answer)
+    return out.replace("Thursday", "Friday").replace(r"\pi", r"\pi^2")
+
+
+# Forms the normaliser makes equal but math-verify does not: a trailing "." after a fraction
+# and a percent sign (both read as text by its parser). The normalised comparison runs first.
+NOT_MATH_VERIFY = {r"\tfrac{1}{2}.", r"50\%"}
+
+
+@needs_math_verify
+def test_math_verify_scores_the_bundled_examples(monkeypatch):
+    """The library alone (normalised comparison off): every worked solution scores 1, a
+    perturbed answer 0, and equivalent forms of 1/2 score 1."""
+    task = MathTask(offline=True)
+    monkeypatch.setattr("data.tasks.math.normalized_match", lambda p, r: False)
+    rows = _examples()
+    assert len(rows) >= 8
+    for row, ex in rows:
+        assert math_verify_match(last_boxed(ex["solution"]), row["answer"]) is True, row
+        assert task.reward(row, ex["solution"]) == 1.0, row
+        wrong = _wrong(row["answer"])
+        assert wrong != row["answer"]
+        assert math_verify_match(wrong, row["answer"]) is False, (row["answer"], wrong)
+        assert task.reward(row, rf"so \boxed{{{wrong}}}") == 0.0, (row["answer"], wrong)
+    half = next(row for row, _ in rows if row["answer"] == r"\frac{1}{2}")
+    for form in (r"\dfrac12", "0.5", "1/2", r"\frac{2}{4}", "0.50", r"\frac12"):
+        assert task.reward(half, rf"\boxed{{{form}}}") == 1.0, form
+
+
+@needs_math_verify
+@pytest.mark.parametrize(("reference", "predicted"), EQUIVALENT)
+def test_math_verify_on_equivalent_forms(reference, predicted):
+    assert math_verify_match(predicted, reference) is (predicted not in NOT_MATH_VERIFY)
+
+
+@needs_math_verify
+@pytest.mark.parametrize(("reference", "predicted"), DIFFERENT)
+def test_math_verify_on_different_answers(reference, predicted):
+    assert math_verify_match(predicted, reference) is False
+
+
+def test_math_verify_match_is_none_without_the_library(no_math_verify):
+    assert math_verify_match("1/2", r"\frac{1}{2}") is None
+    assert answers_match("3, 2", "2, 3") is False  # the fallback: no symbolic comparison
+
+
+@needs_math_verify
+def test_math_verify_runs_on_any_thread():
+    """Its SIGALRM timeouts are off (data/tasks/verify.py), so a reward scored on the engine's
+    callback thread neither raises nor differs from the main thread's."""
+    pairs = [("3, 2", "2, 3"), (r"\sqrt{8}", r"2\sqrt{2}"), ("5", "6")]
+    out: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: out.append([answers_match(p, r) for p, r in pairs]))
+    thread.start()
+    thread.join()
+    assert out == [[answers_match(p, r) for p, r in pairs]] == [[True, True, False]]
+
+
+@needs_math_verify
+def test_reward_in_a_reward_worker_process():
+    """``data.reward_timeout_s`` (the math_grpo recipe sets it) scores in a spawned worker
+    process: math-verify runs there too, on forms only it accepts."""
+    task = MathTask(offline=True)
+    rows = {row["answer"]: row for row, _ in _examples()}
+    runner = RewardRunner(task, timeout_s=120)
+    try:
+        assert runner(rows["2, 3"], r"\boxed{3, 2}") == 1.0  # reordered: math-verify only
+        assert runner(rows[r"2\sqrt{2}"], r"\boxed{\sqrt{8}}") == 1.0
+        assert runner(rows[r"2\sqrt{2}"], r"\boxed{\sqrt{7}}") == 0.0
+        assert runner(rows["(-2, 2)"], r"\boxed{(-2, 2)}") == 1.0
+    finally:
+        runner.close()
 
 
 def test_task_pickles_for_reward_workers():

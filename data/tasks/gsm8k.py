@@ -4,19 +4,19 @@
 
 ``build`` loads ``openai/gsm8k`` with ``datasets.load_dataset`` (network on first use; the
 tests use the bundled ``gsm8k_examples.jsonl``). The reward is 1.0 when the response's final
-answer equals the reference: ``math_verify`` (``pip install math-verify``) when installed,
-else an exact numeric comparison of the last number (``#### 42``, ``\\boxed{42}`` or a trailing
-number).
+answer (``#### 42``, ``\\boxed{42}`` or a trailing number) equals the reference, by math-verify
+(``data/tasks/verify.py``; ``make install`` installs it), or, where it is not installed, by an
+exact numeric comparison.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.tasks.verify import math_verify_match
 from modules.config_errors import check
 
 EXAMPLES = Path(__file__).with_name("gsm8k_examples.jsonl")
@@ -41,20 +41,13 @@ def extract_answer(response: str) -> str | None:
 def answers_match(predicted: str | None, reference: str) -> bool:
     if predicted is None:
         return False
-    try:
-        from math_verify import parse, verify
-
-        # math_verify's own timeouts use SIGALRM, which only the main thread may set; rewards
-        # are scored on the engine's callback thread (or a reward worker's main thread when
-        # data.reward_timeout_s is set), so elsewhere they run without one.
-        limit = 5 if threading.current_thread() is threading.main_thread() else None
-        gold = parse(reference, parsing_timeout=limit)
-        return bool(verify(gold, parse(predicted, parsing_timeout=limit), timeout_seconds=limit))
-    except ImportError:
-        try:
-            return abs(float(predicted) - float(reference)) < 1e-6
-        except ValueError:
-            return False
+    verified = math_verify_match(predicted, reference)
+    if verified is not None:
+        return verified
+    try:  # fallback without math-verify
+        return abs(float(predicted) - float(reference)) < 1e-6
+    except ValueError:
+        return False
 
 
 @dataclass

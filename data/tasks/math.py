@@ -17,9 +17,9 @@ Reward: 1.0 when the last ``\\boxed{...}`` of the response is equivalent to the 
 dataset's ``answer`` column, else the last ``\\boxed{...}`` of its solution), else 0.0; a
 response without a box earns nothing. Equivalence is a cheap normalised comparison first
 (``normalize_answer``: spacing, ``\\left``/``\\right``, ``\\dfrac``, degrees, ``\\text{}`` units,
-exact fractions/decimals), then ``math_verify`` (symbolic, sets, intervals, ...) when it is
-installed: ``pip install "math-verify[antlr4_9_3]"`` (the extra keeps the ANTLR runtime that
-Hydra/OmegaConf pin; plain ``math-verify`` pulls 4.13, which breaks them).
+exact fractions/decimals), then math-verify (symbolic, sets, intervals, ...; installed by
+``make install``, see ``data/tasks/verify.py``). Without math-verify only the normalised
+comparison runs.
 
 The prompt asks for the final answer in ``\\boxed{}``; with ``tokenizer`` set (the task config
 sets it to ``${model.path}``) and a tokenizer that has a chat template, the request is wrapped
@@ -31,13 +31,13 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from data.tasks.verify import math_verify_match
 from modules.config_errors import check
 
 EXAMPLES = Path(__file__).with_name("math_examples.jsonl")
@@ -155,22 +155,12 @@ def normalized_match(predicted: str, reference: str) -> bool:
 
 
 def answers_match(predicted: str | None, reference: str) -> bool:
-    """The normalised comparison, then ``math_verify`` when it is installed."""
+    """The normalised comparison, then math-verify when it is installed."""
     if predicted is None or not predicted.strip():
         return False
     if normalized_match(predicted, reference):
         return True
-    try:
-        from math_verify import parse, verify
-    except ImportError:
-        return False
-    # math_verify's timeouts use SIGALRM, which only the main thread may set; rewards are
-    # scored on the engine's callback thread, so there they run without one (bound them with
-    # data.reward_timeout_s, as the math_grpo recipe does).
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse("\\boxed{" + reference + "}", parsing_timeout=limit)
-    pred = parse("\\boxed{" + predicted + "}", parsing_timeout=limit)
-    return bool(gold and pred and verify(gold, pred, timeout_seconds=limit))
+    return bool(math_verify_match(predicted, reference))  # None (not installed) -> no match
 
 
 # ---------------------------------------------------------------------- prompt
