@@ -40,6 +40,14 @@ from abc import ABC, abstractmethod
 
 import torch
 
+
+def per_token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sequence advantages broadcast over tokens, or ``[B, T]`` per-token ones (a critic's)
+    as they are; detached either way."""
+    a = advantages.detach()
+    return a[:, None] if a.dim() == 1 else a
+
+
 LOG_CLAMP = 20.0
 
 
@@ -217,7 +225,7 @@ class DeepSeekSequenceMask(Correction):
 
     def weights(self, log_w, mask, ctx):
         log_mu_over_pi = ctx["behavior_logp"] - ctx["logp"].detach()
-        drop = (ctx["advantages"][:, None] < 0) & (_seq_mean(log_mu_over_pi, mask) > self.delta)
+        drop = (per_token_advantages(ctx["advantages"]) < 0) & (_seq_mean(log_mu_over_pi, mask) > self.delta)
         return (~drop).float().expand_as(log_w)
 
 

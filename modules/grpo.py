@@ -31,35 +31,15 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
+from modules.critic import Critic
 from modules.kl_reward import KLRewardPenalty
 from modules.losses import PolicyLoss, batch_counts
 from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
 from modules.policy import disable_dropout, load_policy, named_weights
+from modules.ranks import reduce_over_ranks
 from modules.schedules import optimizers
 from modules.sharding import full_weights, is_sharded, unshard
-
-
-def reduce_over_ranks(values: dict[str, Any], device: torch.device, world: int) -> dict[str, torch.Tensor]:
-    """Loss metrics over all DDP ranks in two collectives: the max of ``*_max`` / ``*/max_*``
-    keys, the min of ``*_min`` keys, the mean of the rest (each rank's loss is its share of the
-    global loss, so their mean is the global loss)."""
-    import torch.distributed as dist
-
-    names = list(values)
-    t = torch.stack(
-        [torch.as_tensor(values[n], dtype=torch.float64, device=device).reshape(()) for n in names]
-    )
-    is_max = torch.tensor([n.endswith("_max") or "/max_" in n for n in names], device=device)
-    is_min = torch.tensor([n.endswith("_min") for n in names], device=device)
-    low = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
-    extremes = torch.cat([torch.where(is_max, t, low), torch.where(is_min, -t, low)])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    sums = torch.where(is_max | is_min, torch.zeros_like(t), t)
-    dist.all_reduce(sums)
-    n = len(names)
-    out = torch.where(is_max, extremes[:n], torch.where(is_min, -extremes[n:], sums / world))
-    return {name: out[i] for i, name in enumerate(names)}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -80,8 +60,10 @@ class GRPOModule(L.LightningModule):
         forward: Any = None,
         micro_batch_size: int | None = None,
         gradient_checkpointing: bool = False,
+        critic: Critic | None = None,
     ) -> None:
         super().__init__()
+        self.critic = critic  # PPO with a value model (modules/critic.py); None: group advantages
         check(
             "module.gradient_checkpointing",
             gradient_checkpointing,
@@ -143,6 +125,8 @@ class GRPOModule(L.LightningModule):
             if self.gradient_checkpointing:  # each decoder layer's activations recomputed in backward
                 self.policy.gradient_checkpointing_enable({"use_reentrant": False})
             self.policy.train()
+        if self.critic is not None:
+            self.critic.build()
         if self.ref_model_path and self.ref_policy is None:
             ref, _ = load_policy(self.ref_model_path)
             ref.eval().requires_grad_(False)
@@ -163,6 +147,8 @@ class GRPOModule(L.LightningModule):
             wait = t1 - t0
             self._wait_s += wait
             self._steps = self.prepare_rollout_batch(move_data_to_device(steps, self.device))
+            if self.critic is not None:
+                self.critic.new_rollout_batch()
             prepare = time.perf_counter() - t1
         t2 = time.perf_counter()
         batch = self._steps.pop(0)
@@ -177,10 +163,13 @@ class GRPOModule(L.LightningModule):
         if self.loss_fn.needs_reference:
             extra["ref_logp"] = self.ref_logprobs(batch)
         totals, world = self._global_counts(mask)
+        advantages, value_loss = batch["advantages"], None
+        if self.critic is not None:  # per-token V-trace advantages and the value loss
+            advantages, value_loss, critic_metrics = self.critic.step(batch, logp, self._sum_over_ranks)
         loss, metrics = self.loss_fn(
             logp,
             behavior,
-            batch["advantages"],
+            advantages,
             mask,
             weights=batch["weights"],
             staleness=batch["staleness"],
@@ -188,6 +177,9 @@ class GRPOModule(L.LightningModule):
             world_size=world,
             **extra,
         )
+        if value_loss is not None:  # token-mean over the global batch, like the policy term
+            loss = loss + value_loss.sum() * world / totals[0].clamp_min(1).to(value_loss.dtype)
+            metrics.update(critic_metrics)
         self.samples_trained += int(batch["num_samples"])
         finite = self._all_ranks_finite(loss, logp * mask)  # reads the loss: waits for the device
         self.step_times = {"wait": wait, "prepare": prepare, "forward": time.perf_counter() - t2}
@@ -207,6 +199,13 @@ class GRPOModule(L.LightningModule):
 
             dist.all_reduce(counts)
         return counts, world
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self._trainer is not None and self._trainer.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
 
     def _all_ranks_finite(self, loss: torch.Tensor, logp: torch.Tensor) -> bool:
         """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
@@ -385,4 +384,7 @@ class GRPOModule(L.LightningModule):
         self.configure_model()
 
     def configure_optimizers(self) -> Any:
-        return optimizers(self.policy.parameters(), self.optimizer_factory, self.scheduler_factory)
+        params: Any = self.policy.parameters()
+        if self.critic is not None:  # its own parameter group and learning rate
+            params = [{"params": list(params)}, {"params": self.critic.parameters(), "lr": self.critic.lr}]
+        return optimizers(params, self.optimizer_factory, self.scheduler_factory)

@@ -27,7 +27,8 @@ A loss is assembled from independent parts, each chosen in ``conf/algo``:
 and says which extra inputs the module must compute: ``needs_old_logprobs`` (decoupled anchor:
 the trainer's pi_old) and ``needs_reference`` (a KL term: the reference policy's logprobs).
 
-All tensors per token are aligned to targets; ``advantages`` and ``weights`` are ``[B]``.
+All tensors per token are aligned to targets; ``weights`` are ``[B]``, ``advantages`` ``[B]`` (group
+advantages) or ``[B, T]`` (per token, from a critic: ``modules/critic.py``).
 Log-ratios are clamped to +-20 before ``exp``.
 """
 
@@ -38,7 +39,14 @@ from collections.abc import Callable
 import torch
 
 from modules.config_errors import check, check_choice
-from modules.corrections import LOG_CLAMP, Correction, NoCorrection, diagnostics, masked_mean
+from modules.corrections import (
+    LOG_CLAMP,
+    Correction,
+    NoCorrection,
+    diagnostics,
+    masked_mean,
+    per_token_advantages,
+)
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 ANCHORS = ("bypass", "decoupled")
@@ -110,7 +118,7 @@ def ppo_clip(
     bounded by -c A (their loss cannot exceed c |A|)."""
     log_ratio = _log_ratio(logp, anchor)
     ratio = log_ratio.exp()
-    adv = advantages.detach()[:, None]
+    adv = per_token_advantages(advantages)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
@@ -124,7 +132,7 @@ def cispo(logp, anchor, advantages, mask, eps_low: float = 0.2, eps_high: float 
     """-sg(clip(r)) A log pi: clipped tokens still pass gradient through log pi."""
     ratio = _log_ratio(logp, anchor).exp()
     w = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
-    per_token = -w * advantages.detach()[:, None] * logp
+    per_token = -w * per_token_advantages(advantages) * logp
     with torch.no_grad():
         clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
         metrics = {"clip_frac": masked_mean(clipped.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
@@ -137,7 +145,7 @@ def gspo(logp, anchor, advantages, mask, eps_low: float = 3e-4, eps_high: float 
     log_ratio = _log_ratio(logp, anchor)
     seq_log = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
     s_tok = seq_log.detach().exp() * (logp - logp.detach()).exp()
-    adv = advantages.detach()[:, None]
+    adv = per_token_advantages(advantages)
     per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
     with torch.no_grad():
         s = seq_log.exp()
@@ -150,7 +158,7 @@ def gmpo(logp, anchor, advantages, mask, eps: float = 0.4):
     """Geometric mean of token ratios, each clipped in log space to [-eps, eps] on the side the
     advantage's sign makes pessimistic; one weight per sequence, spread over its tokens."""
     log_ratio = _log_ratio(logp, anchor)
-    adv = advantages.detach()[:, None]
+    adv = per_token_advantages(advantages)
     sign = torch.sign(adv)
     clipped = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-eps, eps))
     n = mask.sum(1, keepdim=True).clamp_min(1)
@@ -169,7 +177,7 @@ def gmpo(logp, anchor, advantages, mask, eps: float = 0.4):
 def reinforce(logp, anchor, advantages, mask):
     """Plain REINFORCE with importance sampling: -sg(r) A log pi (no clipping)."""
     ratio = _log_ratio(logp, anchor).exp().detach()
-    per_token = -ratio * advantages.detach()[:, None] * logp
+    per_token = -ratio * per_token_advantages(advantages) * logp
     return per_token, {"clip_frac": torch.zeros(()), "ratio_mean": masked_mean(ratio, mask)}
 
 

@@ -36,6 +36,7 @@ VARIANTS = [
     ["recipe=gsm8k_grpo"],
     ["recipe=math_grpo"],
     ["recipe=dapo"],
+    ["recipe=ppo"],
     ["rollout/overlong=filter"],
     ["trainer=fsdp_cpu"],
     *[[f"algo/correction={p.stem}"] for p in sorted((ROOT / "conf/algo/correction").glob("*.yaml"))],

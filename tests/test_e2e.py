@@ -555,3 +555,28 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
         f"it, {len(requeued)} re-queued, 0 lost; resumed run trained {len(resumed)} prompts, "
         f"all {len(requeued)} re-queued among them, 0 repeats"
     )
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "dapo"])
+def test_knob_recipes_end_to_end(tmp_path, models, recipe):
+    """recipe=ppo (a critic beside the policy) and recipe=dapo (dynamic sampling, soft
+    overlong punishment, clip-higher) train with verified syncs and report their metrics."""
+    rows = train(
+        tmp_path,
+        f"recipe={recipe}",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "task._target_=tests.helpers.DigitShareTask",
+        "trainer.max_steps=2",
+        "rollout.overlong.buffer=16" if recipe == "dapo" else "module.critic.lr=1e-3",
+    )
+    train_rows = [r for r in rows if r["train/loss"]]
+    assert len(train_rows) == 2 and all(math.isfinite(float(r["train/loss"])) for r in train_rows)
+    assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[1:]) < 1e-4
+    if recipe == "ppo":
+        assert all(math.isfinite(float(r["critic/value_mean"])) for r in train_rows)
+        state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        assert any(k.startswith("critic.model.head") for k in state["state_dict"])  # checkpointed
+    else:
+        assert float(train_rows[-1]["rollout/groups_sampled_per_trained"]) >= 1.0
+        assert "rollout/filtered" in train_rows[-1]

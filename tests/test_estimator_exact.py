@@ -214,7 +214,9 @@ def test_the_module_never_overwrites_mu(models):
             rows = torch.ones_like(batch["recompute"]) if anchor == "decoupled" else batch["recompute"]
             expected = torch.where(rows[:, None], fresh, mu) * batch["attention_mask"][:, 1:]
             got = batch["old_logprobs"] * batch["attention_mask"][:, 1:]
-            assert torch.allclose(got, expected, atol=1e-5, rtol=0), anchor  # float32 layouts
+            # float32, two kernel paths (the training forward with grad, the scoring pass without):
+            # 1e-4 apart at logprobs near -7 on some CPUs (2026-12-02's), 1e-5 on others
+            assert torch.allclose(got, expected, atol=3e-4, rtol=0), anchor
 
 
 def test_pi_old_of_unflagged_samples_stays_mu_across_epochs(models):

@@ -1,0 +1,29 @@
+"""Collectives on metrics: reduce a step's metric dict over DDP ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def reduce_over_ranks(values: dict[str, Any], device: torch.device, world: int) -> dict[str, torch.Tensor]:
+    """Loss metrics over all DDP ranks in two collectives: the max of ``*_max`` / ``*/max_*``
+    keys, the min of ``*_min`` keys, the mean of the rest (each rank's loss is its share of the
+    global loss, so their mean is the global loss)."""
+    import torch.distributed as dist
+
+    names = list(values)
+    t = torch.stack(
+        [torch.as_tensor(values[n], dtype=torch.float64, device=device).reshape(()) for n in names]
+    )
+    is_max = torch.tensor([n.endswith("_max") or "/max_" in n for n in names], device=device)
+    is_min = torch.tensor([n.endswith("_min") for n in names], device=device)
+    low = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
+    extremes = torch.cat([torch.where(is_max, t, low), torch.where(is_min, -t, low)])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    sums = torch.where(is_max | is_min, torch.zeros_like(t), t)
+    dist.all_reduce(sums)
+    n = len(names)
+    out = torch.where(is_max, extremes[:n], torch.where(is_min, -extremes[n:], sums / world))
+    return {name: out[i] for i, name in enumerate(names)}
