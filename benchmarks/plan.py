@@ -43,7 +43,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.pipeline import ratios, simulate
+from benchmarks.pipeline import pipeline_config, ratios, simulate
 from benchmarks.workload import Workload, fit, measured_samples_per_s, read_overrides
 from modules.config import build, compose
 from modules.engine.sim import SimEngine, SimTask
@@ -80,18 +80,9 @@ def candidates() -> list[Candidate]:
 
 
 def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_level_kl: float) -> dict:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from modules.config import ROOT
-
     rows = []
     for c in candidates():
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = hydra_compose("pipeline", overrides=[f"sim={sim}", *c.overrides, *extra])
-        GlobalHydra.instance().clear()
+        cfg = pipeline_config([f"sim={sim}", *c.overrides, *extra])
         ctl = build(cfg.rollout)
         lat = [tuple(x) for x in cfg.sim.latencies]
         out = simulate(
@@ -103,11 +94,13 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
             cfg.sim.num_prompts,
             seed,
             cfg.sim.sync_every,
+            sync_time=cfg.sim.get("sync_time", 0.0),
         )
         batch = ctl.prompts_per_step * ctl.group_size
         conc = cfg.sim.concurrency or batch
         max_tokens, every = ctl.sampling.max_tokens, cfg.sim.sync_every
-        r = ratios(out, lat, batch, conc, cfg.sim.step_time, max_tokens, ctl.group_size, every)
+        sync_time = cfg.sim.get("sync_time", 0.0)
+        r = ratios(out, lat, batch, conc, cfg.sim.step_time, max_tokens, ctl.group_size, every, sync_time)
         trained = out["trained_samples"] / ctl.group_size
         dropped = out["dropped_groups"]
         rows.append(
