@@ -27,7 +27,16 @@ Design (why it differs from a textbook PPO-RLHF critic):
 * **Value loss**: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)``, token-mean
   over the global batch, times ``coef``. ``V_old`` is the critic's value of the sample the
   first time an optimizer step sees it (cached per sample), so the clip bounds how far the
-  critic moves within one rollout batch's epochs and minibatches.
+  critic moves over a rollout batch's later epochs (``algo.epochs`` > 1); with one epoch each
+  sample is seen once and the clip does nothing.
+* **The policy advantage carries no rho**: IMPALA's ``rho_s (r_s + gamma v_{s+1} - V_s)`` is
+  the importance-weighted advantage for a plain policy gradient; PPO-clip's ratio pi / pi_old
+  (pi / mu in the bypass anchor) and ``algo/correction`` already weight each token, so the
+  advantage is ``r_s + gamma v_{s+1} - V_s`` and rho acts in the value targets only.
+* **Not combined with**: ``algo.kl_reward`` (the critic reads the outcome reward; use the KL
+  in the loss, ``algo.loss.kl_coef``) and the sharded strategy (start-up refuses both). The
+  critic runs one padded forward per minibatch (``module.gradient_checkpointing`` applies to
+  its trunk too; ``algo.micro_batch_size`` does not).
 """
 
 from __future__ import annotations
@@ -112,12 +121,29 @@ class Critic(nn.Module):
         self.model: ValueModel | None = None
         self._old: dict[tuple[int, int], torch.Tensor] = {}  # V_old per (group id, sample index)
 
-    def build(self) -> None:
+    def build(self, gradient_checkpointing: bool = False) -> None:
         if self.model is None:
+            from modules.policy import disable_dropout
+
             self.model = ValueModel(self.model_path)
+            disable_dropout(self.model)
+            if gradient_checkpointing:
+                self.model.trunk.gradient_checkpointing_enable({"use_reentrant": False})
 
     def new_rollout_batch(self) -> None:
         self._old = {}
+
+    def _old_values(self, batch: dict[str, Any], v: torch.Tensor) -> torch.Tensor:
+        """V_old: each sample's values when an optimizer step first saw it in this rollout
+        batch (unpadded, by sample: later epochs re-collate minibatches to other widths)."""
+        old = v.clone()
+        lengths = (batch["attention_mask"].sum(dim=1) - 1).clamp_min(0).tolist()
+        keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
+        for i, (key, n) in enumerate(zip(keys, lengths)):
+            n = min(int(n), v.shape[1])
+            first = self._old.setdefault(key, v[i, :n].clone())
+            old[i, : len(first)] = first
+        return old
 
     def step(
         self, batch: dict[str, Any], logp: torch.Tensor, global_sums: Any = None
@@ -129,11 +155,13 @@ class Critic(nn.Module):
         values = self.model(batch["input_ids"], batch["attention_mask"])
         with torch.no_grad():
             v = values.detach()
-            keys = list(zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist()))
-            old = torch.stack([self._old.setdefault(k, v[i]) for i, k in enumerate(keys)])
+            old = self._old_values(batch, v)
             rewards = terminal_rewards(batch["rewards"], mask)
             log_ratio = (logp.detach() - batch["behavior_logprobs"]) * mask
-            adv, targets = vtrace(rewards, v, log_ratio, mask, self.gamma, self.lam, self.rho_bar, self.c_bar)
+            # rho stays out of the policy advantage: the objective's ratio weights it already
+            adv, targets = vtrace(
+                rewards, v, log_ratio, mask, self.gamma, self.lam, self.rho_bar, self.c_bar, False
+            )
             if self.whiten_advantages:
                 m = mask.to(adv.dtype)
                 sums = torch.stack([m.sum(), (adv * m).sum(), (adv * adv * m).sum()]).double()

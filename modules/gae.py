@@ -64,9 +64,12 @@ def vtrace(
     lam: float = 1.0,
     rho_bar: float = 1.0,
     c_bar: float = 1.0,
+    rho_in_advantage: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(policy advantages, value targets v_s) for tokens sampled by mu; ``log_ratio`` is
-    log pi - log mu per token (detached: targets carry no gradient)."""
+    log pi - log mu per token (detached: targets carry no gradient). ``rho_in_advantage=False``
+    leaves rho_s out of the policy advantage, for objectives whose ratio already weights it
+    (PPO-clip's pi / pi_old is pi / mu in the bypass anchor)."""
     m = _check(rewards, values, mask)
     ratio = torch.exp(log_ratio.detach()) * m
     rho = torch.clamp(ratio, max=rho_bar)
@@ -81,8 +84,8 @@ def vtrace(
     targets = (values + corr) * m
     next_targets = torch.zeros_like(values)
     next_targets[:, :-1] = targets[:, 1:] * m[:, 1:]
-    adv = rho * (rewards + gamma * next_targets - values) * m
-    return adv, targets
+    adv = (rewards + gamma * next_targets - values) * m
+    return (rho * adv if rho_in_advantage else adv), targets
 
 
 def whiten(

@@ -37,7 +37,7 @@ from modules.losses import PolicyLoss, batch_counts
 from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
 from modules.policy import disable_dropout, load_policy, named_weights
-from modules.ranks import reduce_over_ranks
+from modules.ranks import reduce_over_ranks, sum_over_ranks
 from modules.schedules import optimizers
 from modules.sharding import full_weights, is_sharded, unshard
 
@@ -86,6 +86,12 @@ class GRPOModule(L.LightningModule):
             "reference policy)",
         )
         check(
+            "algo.kl_reward.coef",
+            self.kl_reward.coef if critic is not None else 0,
+            critic is None or not self.kl_reward.enabled,
+            "0 with module.critic (the critic reads the outcome reward; use algo.loss.kl_coef)",
+        )
+        check(
             "module.max_consecutive_skips", max_consecutive_skips, max_consecutive_skips >= 1, "an int >= 1"
         )
         self.max_consecutive_skips = max_consecutive_skips
@@ -126,7 +132,7 @@ class GRPOModule(L.LightningModule):
                 self.policy.gradient_checkpointing_enable({"use_reentrant": False})
             self.policy.train()
         if self.critic is not None:
-            self.critic.build()
+            self.critic.build(self.gradient_checkpointing)
         if self.ref_model_path and self.ref_policy is None:
             ref, _ = load_policy(self.ref_model_path)
             ref.eval().requires_grad_(False)
@@ -165,7 +171,10 @@ class GRPOModule(L.LightningModule):
         totals, world = self._global_counts(mask)
         advantages, value_loss = batch["advantages"], None
         if self.critic is not None:  # per-token V-trace advantages and the value loss
-            advantages, value_loss, critic_metrics = self.critic.step(batch, logp, self._sum_over_ranks)
+            advantages, value_loss, critic_metrics = self.critic.step(
+                batch, logp, partial(sum_over_ranks, world=world)
+            )
+            batch["critic_advantages"] = advantages
         loss, metrics = self.loss_fn(
             logp,
             behavior,
@@ -199,13 +208,6 @@ class GRPOModule(L.LightningModule):
 
             dist.all_reduce(counts)
         return counts, world
-
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        if self._trainer is not None and self._trainer.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t)
-        return t
 
     def _all_ranks_finite(self, loss: torch.Tensor, logp: torch.Tensor) -> bool:
         """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
@@ -244,7 +246,11 @@ class GRPOModule(L.LightningModule):
         values = {"train/loss": loss.detach()}
         values.update({k if "/" in k else f"train/{k}": v for k, v in metrics.items()})  # is/*, mismatch/*
         values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp_min(1)
-        values["train/advantage_abs_mean"] = batch["advantages"].abs().mean()
+        adv = batch.get("critic_advantages", batch["advantages"])  # per token with a critic
+        per_token = adv.dim() > 1
+        values["train/advantage_abs_mean"] = (
+            (adv.abs() * mask).sum() / mask.sum() if per_token else adv.abs().mean()
+        )
         if self.kl_reward.enabled:
             values["train/kl_reward_penalty"] = self.last_kl_reward_penalty
         if self._trainer is not None and self._trainer.world_size > 1:

@@ -27,3 +27,12 @@ def reduce_over_ranks(values: dict[str, Any], device: torch.device, world: int) 
     n = len(names)
     out = torch.where(is_max, extremes[:n], torch.where(is_min, -extremes[n:], sums / world))
     return {name: out[i] for i, name in enumerate(names)}
+
+
+def sum_over_ranks(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``t`` summed over the DDP ranks, in place (as is with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t

@@ -222,3 +222,10 @@ def validate_sharding(cfg: DictConfig) -> None:
         "null with the sharded strategy (the chunked head calls the trunk past the root FSDP "
         "unit, whose parameters and gradients would not be gathered / reduced)",
     )
+    check(
+        "module.critic",
+        "set" if module.get("critic") else None,
+        not module.get("critic"),
+        "null with the sharded strategy (the critic is not sharded and its gradients would not "
+        "be reduced across ranks): use DDP (trainer=cpu / gpu) for recipe=ppo",
+    )

@@ -83,11 +83,42 @@ def test_stale_tokens_get_truncated_targets(models, batch):
     logp[0, 4] -= 1.0  # the current policy is less likely than mu to end sample 0 this way
     adv, _, _ = critic.step(batch, logp)
     rho = torch.exp(torch.tensor(-1.0)).item()
-    assert adv[0, 4].item() == pytest.approx(rho * 1.0)  # rho (r - V) at the last token
+    # the last token's own weight pi/mu comes from the objective's ratio, not the advantage
+    assert adv[0, 4].item() == pytest.approx(1.0)
     # earlier tokens (ratio 1) bootstrap from v_{s+1} = V + c (v - V): the trace carries the
-    # truncated return back, so the whole response sees rho x R (V = 0 here)
+    # truncated return back, so they see rho x R (V = 0 here)
     assert adv[0, 2].item() == pytest.approx(rho) and adv[0, 3].item() == pytest.approx(rho)
     assert adv[1, 2:4].tolist() == [0.0, 0.0]
+
+
+def test_old_values_survive_recollation_across_epochs(models, batch):
+    """Epoch 2 re-collates minibatches to another width: V_old is kept per sample, unpadded."""
+    critic = Critic(str(models["tied"]), whiten_advantages=False, clip=0.2)
+    critic.build()
+    critic.step(batch, batch["behavior_logprobs"])  # first sight: V_old = 0 (zero head)
+    with torch.no_grad():
+        critic.model.head.bias.fill_(1.0)  # the critic moved by 1
+    wide = {k: v for k, v in batch.items()}
+    for k in ("input_ids", "attention_mask"):
+        wide[k] = torch.cat([batch[k], torch.zeros_like(batch[k][:, :2])], dim=1)
+    for k in ("loss_mask", "behavior_logprobs"):
+        wide[k] = torch.cat([batch[k], torch.zeros_like(batch[k][:, :2])], dim=1)
+    _, vloss, _ = critic.step(wide, wide["behavior_logprobs"])
+    # clipped to V_old + 0.2 = 0.2 where the unclipped 1.0 would be closer to target 1:
+    # max((1 - 1)^2, (0.2 - 1)^2) on sample 0's tokens, max((1-0)^2, (0.2-0)^2) on sample 1's
+    assert vloss[0, 2:5].tolist() == pytest.approx([0.5 * 0.5 * 0.64] * 3)
+    assert vloss[1, 2:4].tolist() == pytest.approx([0.5 * 0.5 * 1.0] * 2)
+
+
+def test_critic_refuses_the_kl_reward_and_sharding():
+    from modules.config import build
+    from modules.sharding import validate_sharding
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match="algo.kl_reward.coef"):
+        build(compose(["recipe=ppo", "algo.kl_reward.coef=0.05"]).module)
+    with pytest.raises(ConfigError, match="module.critic"):
+        validate_sharding(compose(["recipe=ppo", "trainer=fsdp_cpu"]))
 
 
 def test_the_critic_learns_the_returns_and_the_policy_loss_takes_per_token_advantages(models, batch):

@@ -138,3 +138,13 @@ def test_whiten_over_real_tokens_and_with_global_sums():
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="one \\[B, T\\] shape"):
         gae(t([[0, 1]]), t([[0, 1, 2]]), t([[1, 1]]))
+
+
+def test_vtrace_can_leave_rho_out_of_the_policy_advantage():
+    rewards, values = t([[0.0, 1.0]]), t([[0.4, 0.6]])
+    log_ratio = torch.log(t([[2.0, 0.5]]))
+    adv_w, v_w = vtrace(rewards, values, log_ratio, t([[1, 1]]))
+    adv, v = vtrace(rewards, values, log_ratio, t([[1, 1]]), rho_in_advantage=False)
+    assert torch.equal(v, v_w)  # the targets are the same
+    assert adv.tolist()[0] == pytest.approx([v[0, 1].item() - 0.4, 1.0 - 0.6])
+    assert adv_w.tolist()[0] == pytest.approx([1.0 * adv[0, 0].item(), 0.5 * adv[0, 1].item()])

@@ -321,3 +321,16 @@ def test_cancel_reaches_the_replica_and_errors_name_it():
         b.result(timeout=1)
     assert eng._inflight == [0, 0]  # both requests released their replica
     eng.shutdown()
+
+
+def test_a_failed_load_resumes_the_other_replicas():
+    eng, reps, log = fakes(2)
+
+    def broken(named_tensors, version):
+        raise EngineError("vLLM engine core died while loading")
+
+    reps[1].load = broken
+    with pytest.raises(EngineError, match="replica 1 of 2"):
+        eng.update_weights({"w": torch.zeros(1)}, 1)
+    assert ("resume", 0) in log and eng.version == 0  # the version did not move
+    eng.shutdown()

@@ -121,3 +121,35 @@ def test_overlong_filter_masks_truncated_responses_and_the_penalty_shapes_reward
     assert t["loss_mask"][i].sum() == 0 and t["loss_mask"][1 - i].sum() == 4
     # the group advantage still sees the truncated sample (rewards 0 and 0: flat here)
     assert [e.advantage for e in batch] == [0.0, 0.0]
+
+
+def test_a_filter_needs_groups_of_two():
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        SyncRollout(4, 1, SAMPLING, group_filter=InformativeGroups())
+
+
+@pytest.mark.parametrize("mode", ["streaming", "partial"])
+def test_a_solved_task_cannot_starve_the_trainer(mode):
+    """Nothing informative: after the refusal budget (4 x max_rounds x P groups) refused
+    groups are trained, counted in filter_fill, and the budget restarts per batch."""
+    f = InformativeGroups(max_rounds=1)
+    if mode == "streaming":
+        ctl = StreamingRollout(
+            2, G, SAMPLING, max_inflight=4, max_staleness=100, buffer_capacity=8, group_filter=f
+        )
+    else:
+        ctl = PartialRollout(2, G, SAMPLING, over_provision=1.5, group_filter=f)
+    bind(ctl, [FLAT] * 400)
+    eng = ctl.ctx.engine
+    for v in range(3):
+        assert len(ctl.next_batch()) == 2 * G
+        eng.update_weights({}, v + 1, inflight=ctl.inflight)
+    snap = ctl.snapshot()
+    assert snap["filter_fill"] >= 6 and snap["filtered"] >= 8  # every trained group a fill
+    ctl.close()
+
+
+def test_refused_groups_leave_the_issued_counts():
+    ctl = bind(SyncRollout(2, G, SAMPLING, group_filter=InformativeGroups()), [INFORMATIVE, FLAT] * 50)
+    batch = ctl.next_batch()
+    assert sum(ctl.bias.issued_levels.values()) == len(batch)  # only trained samples count

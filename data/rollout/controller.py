@@ -118,6 +118,12 @@ class RolloutController:
         self.group_size = group_size
         self.sampling = sampling
         # DAPO's shaping (data/rollout/shaping.py): dynamic sampling, overlong mask / penalty
+        check(
+            "rollout.group_size",
+            group_size,
+            group_filter is None or group_size >= 2,
+            "an int >= 2 with rollout.group_filter (one response is never informative)",
+        )
         self.group_filter = group_filter
         self.overlong = overlong
         if overlong is not None:

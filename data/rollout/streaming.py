@@ -115,6 +115,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
+        self._refused_since_take = 0  # uninformative groups refused since the last batch
         counted = (
             "dropped",
             "cancelled",
@@ -123,6 +124,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             "carried_over",
             "expired",
             "filtered",
+            "filter_fill",
         )
         self.counters = dict.fromkeys(counted, 0)
 
@@ -196,6 +198,17 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         for fut, p in self.submit_group(row).items():
             self._track(fut, p)
 
+    def _refuse(self) -> bool:
+        """Refuse one more uninformative group, unless this batch's budget (as many groups as
+        sync's ``max_rounds`` extra rounds may sample) is spent: then it is trained, counted
+        in ``filter_fill``, so a task the policy has solved cannot starve the trainer."""
+        assert self.group_filter is not None
+        if self._refused_since_take < 4 * max(self.group_filter.max_rounds, 1) * self.prompts_per_step:
+            self._refused_since_take += 1
+            return True
+        self.counters["filter_fill"] += 1
+        return False
+
     def _replace_refused(self) -> None:
         """A group refused by ``rollout.group_filter``: the top-up that follows replaces it."""
 
@@ -232,9 +245,12 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 group.exps.append(exp)
                 if self.ctx.advantage.per_response:
                     self._release_single(p.group_id, group, exp)
-                elif len(group.exps) == self.group_size and not self.informative(group.exps):
+                elif (
+                    len(group.exps) == self.group_size and not self.informative(group.exps) and self._refuse()
+                ):
                     del self._groups[p.group_id]  # dynamic sampling: refused, replaced
                     self.counters["filtered"] += 1
+                    self.bias.on_issue(group.row.get("level"), -self.group_size)  # not trained
                     self._replace_refused()
                 elif len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
@@ -269,6 +285,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                     raise self._error
                 batch = self._take()
                 if batch is not None:
+                    self._refused_since_take = 0
                     self._sizing.after_take(waited, len(self._buffer) / self._units_per_group)
                     self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()

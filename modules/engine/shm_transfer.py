@@ -12,9 +12,11 @@ care which one it has.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,22 +26,45 @@ from modules.engine.types import EngineError, WeightTransfer
 LOAD_TIMEOUT_S = 300.0
 
 
+class PreparedWeights:
+    """Weights already written to one safetensors file (``prepared``): several engine replicas
+    load the same file instead of each writing its own copy."""
+
+    def __init__(self, path: str, count: int) -> None:
+        self.path, self.count = path, count
+
+
+@contextlib.contextmanager
+def prepared(named_tensors: dict[str, torch.Tensor]) -> Iterator[PreparedWeights]:
+    """Write ``named_tensors`` once to shared memory; the file is removed on exit."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    from safetensors.torch import save_file
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=scratch_dir(nbytes)) as f:
+        save_file(tensors, f.name)
+        yield PreparedWeights(f.name, len(tensors))
+
+
 class SharedMemoryWeightTransfer:
     @staticmethod
     def engine_args() -> dict[str, Any]:
         return {}  # the worker extension is always installed (``VLLMEngine._build``)
 
-    def send(self, named_tensors: dict[str, torch.Tensor], llm: Any, run: Any) -> None:
-        """Write the tensors to shared memory and have every engine worker load them."""
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        from safetensors.torch import save_file
+    def send(self, named_tensors: dict[str, torch.Tensor] | PreparedWeights, llm: Any, run: Any) -> None:
+        """Write the tensors to shared memory (unless ``prepared`` already did) and have every
+        engine worker load them."""
+        if isinstance(named_tensors, PreparedWeights):
+            self._load(named_tensors, llm, run)
+            return
+        with prepared(named_tensors) as weights:
+            self._load(weights, llm, run)
 
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=scratch_dir(nbytes)) as f:
-            save_file(tensors, f.name)
-            loaded = run(llm.collective_rpc("asyncrl_load_weights", args=(f.name,)), LOAD_TIMEOUT_S)
-        if any(n != len(tensors) for n in loaded or ()):
-            raise EngineError(f"an engine worker loaded {loaded} of {len(tensors)} tensors")
+    @staticmethod
+    def _load(weights: PreparedWeights, llm: Any, run: Any) -> None:
+        loaded = run(llm.collective_rpc("asyncrl_load_weights", args=(weights.path,)), LOAD_TIMEOUT_S)
+        if any(n != weights.count for n in loaded or ()):
+            raise EngineError(f"an engine worker loaded {loaded} of {weights.count} tensors")
 
     def close(self) -> None:
         pass

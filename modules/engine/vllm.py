@@ -42,6 +42,8 @@ from modules.engine.waits import HealthCheckedWaits
 if TYPE_CHECKING:
     import torch
 
+    from modules.engine.shm_transfer import PreparedWeights
+
 # How long the engine core may take to exit after SIGTERM before vLLM force-kills it (vLLM's
 # own default, 5 s, is about what a loaded 2-core machine needs: measured 4.6 s idle).
 SHUTDOWN_GRACE_S = 30.0
@@ -353,7 +355,7 @@ class VLLMEngine(HealthCheckedWaits):
         # clear_cache=True always: stale KV would make later tokens match neither policy.
         self.wait_result(self._call(self._llm.pause_generation(mode=inflight, clear_cache=True)))
 
-    def load(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+    def load(self, named_tensors: dict[str, torch.Tensor] | PreparedWeights, version: int) -> None:
         assert self._transfer is not None, "engine not started"
         self._transfer.send(named_tensors, self._llm, lambda coro, t: self.wait_result(self._call(coro), t))
         # Cached prompt KV was computed by the old weights: never reuse it for the new policy.
