@@ -95,7 +95,7 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
             pass  # ...which, in the race, never reaches the training loop
         assert ctrl_c_received()
         err = RuntimeError("vLLM engine core died (EngineCore exit code -2)")
-        cb.on_exception(trainer, None, err)
+        cb.on_exception(trainer, SimpleNamespace(policy=None), err)  # an unsharded module
         raise err
 
     # a suite started in the background inherits SIGINT ignored (the guard then leaves it so):
