@@ -153,3 +153,14 @@ def test_refused_groups_leave_the_issued_counts():
     ctl = bind(SyncRollout(2, G, SAMPLING, group_filter=InformativeGroups()), [INFORMATIVE, FLAT] * 50)
     batch = ctl.next_batch()
     assert sum(ctl.bias.issued_levels.values()) == len(batch)  # only trained samples count
+
+
+def test_sync_filter_counts_survive_a_checkpoint():
+    ctl = bind(SyncRollout(4, G, SAMPLING, group_filter=InformativeGroups()), [INFORMATIVE, FLAT, FLAT] * 40)
+    ctl.next_batch()
+    state = ctl.state_dict()
+    fresh = bind(
+        SyncRollout(4, G, SAMPLING, group_filter=InformativeGroups()), [INFORMATIVE, FLAT, FLAT] * 40
+    )
+    fresh.load_state_dict(state)
+    assert fresh.stats["rollout/filtered"] == ctl.stats["rollout/filtered"] > 0

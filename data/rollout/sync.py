@@ -100,3 +100,12 @@ class SyncRollout(RolloutController):
         for x in kept[p:] + refused[fill:]:  # sampled, not trained: out of the issued counts
             self.bias.on_issue(x[0].difficulty, -len(x))
         return [e for x in chosen for e in x]
+
+    def state_dict(self) -> dict:
+        """The base's, plus dynamic sampling's running counts (so they continue on resume)."""
+        counts = {k: v for k, v in self.stats.items() if k.startswith("rollout/filter")}
+        return {**super().state_dict(), "filter_counts": counts}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.stats.update(state.get("filter_counts", {}))
