@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import tempfile
 import time
@@ -28,11 +27,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_metrics import mean_ci
 from modules.engine import SamplingConfig
 from modules.engine.replicas import build_engine
 from modules.tiny_model import build_tiny_qwen
-
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def run_once(model: Path, replicas: int, cores: str, requests: int, tokens: int, syncs: int) -> dict:
@@ -61,10 +59,9 @@ def run_once(model: Path, replicas: int, cores: str, requests: int, tokens: int,
 
 
 def summary(xs: list[float]) -> dict:
-    m = statistics.fmean(xs)
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    half = T95.get(len(xs) - 1, 2.0) * sd / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return {"mean": round(m, 3), "sd": round(sd, 3), "ci95": [round(m - half, 3), round(m + half, 3)]}
+    """Mean, std and 95 % t interval over rounds (``benchmarks.bench_metrics.mean_ci``)."""
+    ci = mean_ci(xs)
+    return {k: ci[k] for k in ("mean", "std", "lo", "hi", "n")}
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,7 +132,6 @@ class ReplicatedEngine(HealthCheckedWaits):
         self.replicas = list(replicas)
         first = self.replicas[0]
         self.model_path = first.model_path
-        self.max_model_len = getattr(first, "max_model_len", None)
         self.pinning = pinning or CorePinning(None)
         self.health_poll_s = min(r.health_poll_s for r in self.replicas)
         self.stall_timeout_s = min(r.stall_timeout_s for r in self.replicas)
@@ -274,8 +274,6 @@ class ReplicatedEngine(HealthCheckedWaits):
         self, named_tensors: dict[str, torch.Tensor], version: int, inflight: str = "keep"
     ) -> float:
         """Pause all, load all, then resume all (one version across replicas). Seconds."""
-        import time
-
         check_choice("rollout.inflight", inflight, INFLIGHT_MODES)
         t0 = time.perf_counter()
         n = len(self.replicas)
