@@ -173,16 +173,24 @@ def test_carry_over_across_weight_update_matches_each_policy(engine, models, inf
     old.eval()
     engine.update_weights(named_weights(old), engine.version + 1)  # known starting weights
     v0 = engine.version
-    ctl = RolloutController(1, 1, SamplingConfig(max_tokens=160, ignore_eos=True))
-    ctl.bind(RolloutContext(engine, None, tok, None, GroupAdvantage()))
-    prompt = tok("47%2=")["input_ids"]
-    p = Pending({"id": 0}, 0, 0, 123, v0, prompt_ids=prompt)
-    fut = ctl.submit(p)
-    time.sleep(0.3)  # let it generate some tokens with the old weights
     new, _ = load_policy(models["tied"])
     new.eval()
     _perturb(new, 0.05, seed=99)
-    engine.update_weights(named_weights(new), v0 + 1, inflight=inflight)
+    new_weights = named_weights(new)
+    ctl = RolloutController(1, 1, SamplingConfig(max_tokens=160, ignore_eos=True))
+    ctl.bind(RolloutContext(engine, None, tok, None, GroupAdvantage()))
+    prompt = tok("47%2=")["input_ids"]
+    # time one whole response first, so the update lands mid-response on a fast or slow machine
+    # (the faster of two: the first may pay for warm-up)
+    whole_s = float("inf")
+    for seed in (7, 8):
+        t0 = time.monotonic()
+        engine.wait_result(ctl.submit(Pending({"id": 0}, 0, 0, seed, v0, prompt_ids=prompt)), timeout=120)
+        whole_s = min(whole_s, time.monotonic() - t0)
+    p = Pending({"id": 0}, 0, 0, 123, v0, prompt_ids=prompt)
+    fut = ctl.submit(p)
+    time.sleep(whole_s / 3)  # about a third of the tokens with the old weights
+    engine.update_weights(new_weights, v0 + 1, inflight=inflight)
     comp = engine.wait_result(fut, timeout=120)
     if inflight == "abort":
         assert ctl.is_unfinished(comp, p)
@@ -193,8 +201,10 @@ def test_carry_over_across_weight_update_matches_each_policy(engine, models, inf
     off = len(p.prefix_ids)
     spans = p.prefix_spans + [(v, s + off, e + off) for v, s, e in comp.version_spans]
     assert len(tokens) == len(logprobs) == 160
-    split = next(s for v, s, e in spans if v == v0 + 1)
-    assert 0 < split < 160, f"the update should land mid-response, spans {spans}"
+    split = next((s for v, s, e in spans if v == v0 + 1), None)
+    assert split is not None and 0 < split < 160, (
+        f"the update should land mid-response, spans {spans}, whole {whole_s:.2f} s"
+    )
     assert [v for v, _, _ in spans] == [v0, v0 + 1] and spans[-1][2] == 160
     lp_old = trainer_logprobs(old, prompt, tokens, 1.0)
     lp_new = trainer_logprobs(new, prompt, tokens, 1.0)

@@ -130,5 +130,7 @@ def test_two_trial_optuna_sweep_through_train_py(tmp_path: Path, models):
     results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     assert results["name"] == "optuna" and set(results["best_params"]) == set(SEARCHED)
     assert math.isclose(results["best_value"], max(metrics), rel_tol=1e-6)
-    best = params[metrics.index(max(metrics))]
-    assert {k: str(v) for k, v in results["best_params"].items()} == best
+    # train.py returns a float32 metric and eval_summary.json holds the float64: trials within
+    # that rounding are a tie, and Optuna may name either of them as the best
+    tied = [p for p, m in zip(params, metrics) if math.isclose(m, results["best_value"], rel_tol=1e-6)]
+    assert {k: str(v) for k, v in results["best_params"].items()} in tied
