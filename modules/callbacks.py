@@ -13,6 +13,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from modules.lora import is_lora
+from modules.policy import named_weights
 from modules.sharding import full_weights, gathered, is_sharded
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,11 @@ class SaveHFModel(L.Callback):
             return
         out = Path(self.dirpath)
         out.mkdir(parents=True, exist_ok=True)
-        pl_module.policy.save_pretrained(out, safe_serialization=True, state_dict=state)
+        policy = pl_module.policy
+        if is_lora(policy):  # the merged model (what the engine served), and the adapter alone
+            policy.save_pretrained(out / "lora_adapter", safe_serialization=True)
+            state, policy = named_weights(policy), policy.get_base_model()
+        policy.save_pretrained(out, safe_serialization=True, state_dict=state)
         pl_module.tokenizer.save_pretrained(out)
         if pl_module.policy.generation_config is not None:
             pl_module.policy.generation_config.save_pretrained(out)

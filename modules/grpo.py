@@ -33,10 +33,11 @@ from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
 from modules.critic import Critic
 from modules.kl_reward import KLRewardPenalty
+from modules.lora import LoRA, adapters_off
 from modules.losses import PolicyLoss, batch_counts
 from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
-from modules.policy import disable_dropout, load_policy, named_weights
+from modules.policy import build_policy, load_policy, named_weights
 from modules.ranks import reduce_over_ranks, sum_over_ranks
 from modules.schedules import optimizers
 from modules.sharding import full_weights, is_sharded, unshard
@@ -61,8 +62,10 @@ class GRPOModule(L.LightningModule):
         micro_batch_size: int | None = None,
         gradient_checkpointing: bool = False,
         critic: Critic | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
+        self.lora = lora  # model.lora: adapters on the policy (modules/lora.py); None / rank 0: full
         self.critic = critic  # PPO with a value model (modules/critic.py); None: group advantages
         check(
             "module.gradient_checkpointing",
@@ -126,14 +129,14 @@ class GRPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
-            self.policy, self.tokenizer = load_policy(self.model_path)
-            disable_dropout(self.policy)  # on-policy, the ratio must be exactly 1
-            if self.gradient_checkpointing:  # each decoder layer's activations recomputed in backward
-                self.policy.gradient_checkpointing_enable({"use_reentrant": False})
-            self.policy.train()
+            self.policy, self.tokenizer = build_policy(
+                self.model_path, self.gradient_checkpointing, self.lora
+            )
         if self.critic is not None:
             self.critic.build(self.gradient_checkpointing)
-        if self.ref_model_path and self.ref_policy is None:
+        # LoRA on the reference's weights: the reference is the policy with adapters off
+        base_is_ref = self.lora is not None and self.lora.enabled and self.ref_model_path == self.model_path
+        if self.ref_model_path and self.ref_policy is None and not base_is_ref:
             ref, _ = load_policy(self.ref_model_path)
             ref.eval().requires_grad_(False)
             object.__setattr__(self, "ref_policy", ref)  # frozen: not a submodule, not checkpointed
@@ -355,10 +358,11 @@ class GRPOModule(L.LightningModule):
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference policy's logprobs of the batch's tokens."""
-        self.ref_policy.to(self.device)
-        logp, _ = self.forward_logprobs(
-            self.ref_policy, batch["input_ids"], batch["attention_mask"], self.temperature
-        )
+        ref = self.policy if self.ref_policy is None else self.ref_policy.to(self.device)
+        with adapters_off(ref):
+            logp, _ = self.forward_logprobs(
+                ref, batch["input_ids"], batch["attention_mask"], self.temperature
+            )
         return logp
 
     @torch.no_grad()
@@ -390,7 +394,7 @@ class GRPOModule(L.LightningModule):
         self.configure_model()
 
     def configure_optimizers(self) -> Any:
-        params: Any = self.policy.parameters()
+        params: Any = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: adapters
         if self.critic is not None:  # its own parameter group and learning rate
             params = [{"params": list(params)}, {"params": self.critic.parameters(), "lr": self.critic.lr}]
         return optimizers(params, self.optimizer_factory, self.scheduler_factory)

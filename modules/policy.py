@@ -8,6 +8,7 @@ that, so behaviour and trainer logprobs are comparable token by token.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -27,6 +28,19 @@ def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def build_policy(path: str | Path, gradient_checkpointing: bool = False, lora: Any = None) -> tuple[Any, Any]:
+    """The trainable policy: dropout off for good, optionally checkpointed per decoder layer,
+    optionally with LoRA adapters (``modules/lora.py``), in train mode."""
+    policy, tokenizer = load_policy(path)
+    disable_dropout(policy)  # on-policy, the ratio must be exactly 1
+    if gradient_checkpointing:  # each decoder layer's activations recomputed in backward
+        policy.gradient_checkpointing_enable({"use_reentrant": False})
+    if lora is not None and lora.enabled:
+        policy = lora.wrap(policy)
+    policy.train()
+    return policy, tokenizer
 
 
 def is_hub_id(path: str | Path) -> bool:
@@ -69,8 +83,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The HF state dict the engine loads (tied ``lm_head`` omitted: vLLM ties it itself)."""
-    sd = model.state_dict()
+    """The HF state dict the engine loads (tied ``lm_head`` omitted: vLLM ties it itself).
+    Under LoRA: the base with the adapters merged in (``modules.lora.merged_weights``)."""
+    from modules.lora import is_lora, merged_weights
+
+    sd = merged_weights(model) if is_lora(model) else model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     return sd

@@ -171,6 +171,9 @@ def _validate_rl(cfg: DictConfig) -> None:
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
     _check_not_degenerate(cfg)
+    from modules.lora import validate_lora
+
+    validate_lora(cfg)  # model.lora: fields, the strategy, names of the model's layers
     obj = algo.get("objective") or {}
     for side in ("eps_low", "eps_high"):
         if side in obj:

