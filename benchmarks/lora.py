@@ -9,9 +9,9 @@ For full fine-tuning and each LoRA rank, in a fresh process each: the bytes of p
 gradients and optimizer state held after one step (exact, from the tensors), the peak RSS
 above the RSS before the model was built, and the median time of a training step (forward +
 backward + AdamW on B x T tokens). Then one real vLLM engine serves the model and each
-variant's weights are pushed ``--syncs`` times: the time to produce the tensors the engine is
-sent (LoRA: merged W + scaling * B A, ``modules.lora.merged_weights``) and the engine's
-``update_weights`` (pause, shm load, resume). LoRA pushes the same bytes as full fine-tuning
+variant's weights are pushed ``--syncs`` times (variants interleaved): the time to produce
+the tensors the engine is sent (LoRA: merged W + scaling * B A, ``modules.lora.merged_weights``)
+and the engine's ``update_weights`` (pause, shm load, resume). LoRA pushes the same bytes as full fine-tuning
 (merged weights, not adapters), so its sync costs what full fine-tuning's does plus the merge.
 
 Prints one JSON object and saves ``lora.png`` beside ``--out``.
@@ -92,34 +92,40 @@ def measure_training(path: str, rank: int, args: argparse.Namespace) -> dict:
 
 
 def measure_syncs(path: str, ranks: list[int], args: argparse.Namespace) -> dict[int, dict]:
-    """One engine; each variant's weights (adapters random, as after training) pushed N times."""
+    """One engine; each variant's weights (adapters random, as after training) pushed
+    ``--syncs`` times, the variants interleaved round by round so machine noise hits all alike."""
     from modules.engine.vllm import VLLMEngine
     from modules.lora import LoRA
     from modules.policy import build_policy, named_weights
 
+    policies = {}
+    for rank in ranks:
+        policy, _ = build_policy(path, lora=LoRA(rank=rank) if rank else None)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.01)
+        policies[rank] = policy
     engine = VLLMEngine(path, max_model_len=256, max_num_seqs=8, pin_trainer=False).start()
-    out: dict[int, dict] = {}
+    total: dict[int, list[float]] = {r: [] for r in ranks}
+    load: dict[int, list[float]] = {r: [] for r in ranks}
     try:
-        for rank in ranks:
-            policy, _ = build_policy(path, lora=LoRA(rank=rank) if rank else None)
-            with torch.no_grad():
-                for name, p in policy.named_parameters():
-                    if "lora_B" in name:
-                        p.normal_(0, 0.01)
-            total, load = [], []
-            for _ in range(args.syncs):
+        for _ in range(args.syncs):
+            for rank, policy in policies.items():
                 t0 = time.perf_counter()
                 weights = named_weights(policy)
-                load.append(engine.update_weights(weights, engine.version + 1))
-                total.append(time.perf_counter() - t0)
-            out[rank] = {
-                "sync_s_median": round(statistics.median(total), 4),
-                "engine_update_s_median": round(statistics.median(load), 4),
-            }
-            del policy, weights
+                load[rank].append(engine.update_weights(weights, engine.version + 1))
+                total[rank].append(time.perf_counter() - t0)
+                del weights
     finally:
         engine.shutdown()
-    return out
+    return {
+        r: {
+            "sync_s_median": round(statistics.median(total[r]), 4),
+            "engine_update_s_median": round(statistics.median(load[r]), 4),
+        }
+        for r in ranks
+    }
 
 
 def plot(result: dict, png: Path) -> None:
@@ -151,7 +157,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--syncs", type=int, default=5)
+    p.add_argument("--syncs", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="outputs/bench/lora/lora.json")
     args = p.parse_args()
