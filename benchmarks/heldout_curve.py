@@ -81,7 +81,7 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from modules.config import compose as compose_config
-    from modules.policy import load_policy, named_weights, token_logprobs
+    from modules.policy import build_policy, load_policy, named_weights, token_logprobs
 
     cfg = compose_config(run_overrides(run_dir), output_dir=str(run_dir))
     torch.set_num_threads(cfg.torch_threads)
@@ -124,7 +124,9 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
                 tmp.write_text(json.dumps({"key": key, "metrics": start}))
                 tmp.replace(cache)
         points.append({"step": 0, "policy_version": 0, "train_wall_s": 0.0, "samples": 0.0, **start})
-        policy, _ = load_policy(cfg.module.model_path)
+        # the trainer's own layout (LoRA adapters too), so its checkpoints load strictly
+        lora = cfg.module.get("lora")
+        policy, _ = build_policy(cfg.module.model_path, lora=instantiate(lora) if lora else None)
         policy.eval()
         # The final weights: the last step checkpoint, or else the run's hf_model (saved at the
         # end of training) when the checkpoint cadence does not divide the number of steps.
@@ -136,9 +138,10 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
             when = training_time_of(step, logged)
             if when is None:
                 continue
-            if path.is_dir():
-                final, _ = load_policy(path)
-                policy.load_state_dict(final.state_dict())
+            model = policy
+            if path.is_dir():  # hf_model: a plain HF model (merged, under LoRA)
+                model, _ = load_policy(path)
+                model.eval()
                 version = -1  # not recorded in hf_model
             else:
                 ckpt = torch.load(path, map_location="cpu", weights_only=False)  # written by this run
@@ -149,11 +152,11 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
                 }
                 policy.load_state_dict(state)
                 version = int(ckpt.get("asyncrl", {}).get("policy_version", step))
-            dm.sync_weights(named_weights(policy), max(version, 0))
+            dm.sync_weights(named_weights(model), max(version, 0))
             engine_lp = torch.tensor(dm.engine_logprobs(probe))
             with torch.no_grad():
                 ids = torch.tensor([probe])
-                lp, _ = token_logprobs(policy, ids, torch.ones_like(ids), 1.0)
+                lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
             diff = float((lp[0] - engine_lp).abs().max())
             max_diff = max(max_diff, diff)
             if not diff <= tolerance:

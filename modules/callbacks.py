@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from modules.lora import is_lora
+from modules.lora import adapters_off, functional_target, is_lora
 from modules.policy import named_weights
 from modules.sharding import full_weights, gathered, is_sharded
 
@@ -198,13 +198,16 @@ class WeightSync(L.Callback):
         with torch.no_grad():
             ids = torch.tensor([seq], device=pl_module.device)
             model = policy
-            if served is not None:
-                params = {k: t.to(pl_module.device) for k, t in served.items()}
+            if served is not None:  # LoRA: the base with the merged weights, adapters off
+                target, params = functional_target(
+                    policy, {k: t.to(pl_module.device) for k, t in served.items()}
+                )
 
                 def model(*args: object, **kwargs: object) -> object:  # tied lm_head follows
-                    return functional_call(policy, params, args, kwargs, strict=False)
+                    return functional_call(target, params, args, kwargs, strict=False)
 
-            lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+            with adapters_off(policy) if served is not None else nullcontext():
+                lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
         policy.train(was_training)
         return float((lp[0].cpu() - engine_lp).abs().max())
 

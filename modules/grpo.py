@@ -33,12 +33,12 @@ from modules.checkpoint_rng import rng_states, set_rng_states
 from modules.config_errors import check
 from modules.critic import Critic
 from modules.kl_reward import KLRewardPenalty
-from modules.lora import LoRA, adapters_off
+from modules.lora import LoRA, adapters_off, check_resume, is_lora
 from modules.losses import PolicyLoss, batch_counts
 from modules.microbatch import MicroBatched
 from modules.packing import PackedForward
 from modules.policy import build_policy, load_policy, named_weights
-from modules.ranks import reduce_over_ranks, sum_over_ranks
+from modules.ranks import all_ranks_finite, reduce_over_ranks, sum_over_ranks
 from modules.schedules import optimizers
 from modules.sharding import full_weights, is_sharded, unshard
 
@@ -193,7 +193,7 @@ class GRPOModule(L.LightningModule):
             loss = loss + value_loss.sum() * world / totals[0].clamp_min(1).to(value_loss.dtype)
             metrics.update(critic_metrics)
         self.samples_trained += int(batch["num_samples"])
-        finite = self._all_ranks_finite(loss, logp * mask)  # reads the loss: waits for the device
+        finite = all_ranks_finite(loss, logp * mask, self.device, world)  # waits for the device
         self.step_times = {"wait": wait, "prepare": prepare, "forward": time.perf_counter() - t2}
         if not finite:
             return self._skip_step(loss)
@@ -211,17 +211,6 @@ class GRPOModule(L.LightningModule):
 
             dist.all_reduce(counts)
         return counts, world
-
-    def _all_ranks_finite(self, loss: torch.Tensor, logp: torch.Tensor) -> bool:
-        """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
-        alone would leave the others waiting forever in the gradient all-reduce."""
-        finite = torch.tensor(float(bool(torch.isfinite(loss)) and bool(torch.isfinite(logp).all())))
-        if self._trainer is not None and self._trainer.world_size > 1:
-            import torch.distributed as dist
-
-            finite = finite.to(self.device)
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        return bool(finite.item() > 0)
 
     def _skip_step(self, loss: torch.Tensor) -> None:
         """Non-finite logprobs or loss: skip the optimizer step (return None), count it, and
@@ -358,6 +347,8 @@ class GRPOModule(L.LightningModule):
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference policy's logprobs of the batch's tokens."""
+        if self.ref_policy is None and not is_lora(self.policy):  # LoRA: the adapters-off base
+            raise RuntimeError("no reference policy: module.ref_model_path is null")
         ref = self.policy if self.ref_policy is None else self.ref_policy.to(self.device)
         with adapters_off(ref):
             logp, _ = self.forward_logprobs(
@@ -383,10 +374,12 @@ class GRPOModule(L.LightningModule):
             "policy_version": self.policy_version,
             "samples_trained": self.samples_trained,
             "rng": rng_states(),  # rank 0's; every rank resumes from them
+            "lora": self.lora.spec() if self.lora is not None and self.lora.enabled else None,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("asyncrl", {})
+        check_resume(state.get("lora"), self.lora)  # before the state dict: names the field
         self.policy_version = int(state.get("policy_version", 0))
         self.samples_trained = int(state.get("samples_trained", 0))
         if state.get("rng"):

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig
 from modules.config_errors import check
 
 ALL_LINEAR = "all-linear"  # peft: every Linear but the output layer
+FIELDS = ("rank", "alpha", "target_modules", "rslora")
 
 
 class LoRA:
@@ -60,9 +61,19 @@ class LoRA:
     def scaling(self) -> float:
         return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
 
+    def spec(self) -> dict[str, Any]:
+        """What shapes the adapted policy: checkpointed, and compared on resume."""
+        targets = self.target_modules
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": targets, "rslora": self.rslora}
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The policy with adapters on ``target_modules`` (a peft model); the base frozen."""
+        """The policy with adapters on ``target_modules`` (a peft model); the base frozen.
+        Names are checked here too (start-up checks them only for a model with a local config):
+        peft would silently skip a name that matches nothing."""
         from peft import LoraConfig, get_peft_model
+
+        if self.target_modules != ALL_LINEAR:
+            check_targets(self.target_modules, _linear_names(model))
 
         config = LoraConfig(
             r=self.rank,
@@ -124,6 +135,24 @@ def merged_weights(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def functional_target(model: Any, weights: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The module and tensors for ``torch.func.functional_call`` that compute the HF model
+    whose weights are ``weights`` (HF names, merged: what the engine was sent). Without LoRA:
+    ``model`` itself. Under LoRA: its base under peft's names (``q_proj.weight`` ->
+    ``q_proj.base_layer.weight``); the caller runs it inside ``adapters_off``, or the adapters
+    would be added to weights that already hold them."""
+    if not is_lora(model):
+        return model, weights
+    base = model.get_base_model()
+    names = set(base.state_dict())
+    out = {}
+    for key, tensor in weights.items():
+        stem, _, leaf = key.rpartition(".")
+        wrapped = f"{stem}.base_layer.{leaf}"
+        out[wrapped if wrapped in names else key] = tensor
+    return base, out
+
+
 @contextlib.contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
     """The base policy inside the block (the KL reference under LoRA); no-op without LoRA."""
@@ -138,9 +167,20 @@ def validate_lora(cfg: DictConfig) -> None:
     spec = (cfg.get("model") or {}).get("lora")
     if not spec:
         return
+    unknown = sorted(set(spec) - {"_target_", *FIELDS})
+    check("model.lora", unknown[0] if unknown else None, not unknown, f"the fields {', '.join(FIELDS)}")
+    target = spec.get("_target_")
+    check("model.lora._target_", target, target == "modules.lora.LoRA", "modules.lora.LoRA")
     lora = LoRA(**{k: v for k, v in spec.items() if k != "_target_"})
     if not lora.enabled:
         return
+    module = cfg.get("module") or {}
+    check(
+        "model.lora.rank",
+        lora.rank,
+        str(module.get("_target_", "")).endswith("GRPOModule"),
+        "0 outside RL training (recipe=sft_warmup trains every weight)",
+    )
     from modules.sharding import strategy_target
 
     strategy = (cfg.get("trainer") or {}).get("strategy", "auto")
@@ -152,16 +192,19 @@ def validate_lora(cfg: DictConfig) -> None:
         "0 with the sharded strategy (trainer=fsdp_*: adapters are not sharded here); use "
         "trainer=cpu / gpu (DDP), where LoRA already holds little per rank",
     )
-    names = linear_names(str(cfg.model.path))
-    if names is None or lora.target_modules == ALL_LINEAR:
-        return
-    unknown = [t for t in lora.target_modules if t not in names]
+    names = linear_names(str(module.get("model_path") or cfg.model.path))
+    if names is not None and lora.target_modules != ALL_LINEAR:
+        check_targets(lora.target_modules, names)
+
+
+def check_targets(targets: list[str], names: set[str]) -> None:
+    unknown = [t for t in targets if t not in names]
     check(
         "model.lora.target_modules",
-        list(lora.target_modules),
+        list(targets),
         not unknown,
-        f"{ALL_LINEAR} or names of the model's linear layers: {', '.join(sorted(names))} "
-        f"({', '.join(unknown)} not found)",
+        f"{ALL_LINEAR} or names of the model's linear layers but its output layer: "
+        f"{', '.join(sorted(names))} ({', '.join(unknown)} not found)",
     )
 
 
@@ -174,9 +217,31 @@ def linear_names(path: str) -> set[str] | None:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    head = model.get_output_embeddings()
+    return _linear_names(model)
+
+
+def _linear_names(model: torch.nn.Module) -> set[str]:
+    head = model.get_output_embeddings()  # tied to the embeddings, or not sent when it is
     return {
         name.rsplit(".", 1)[-1]
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and m is not head
     }
+
+
+def check_resume(saved: dict[str, Any] | None, lora: LoRA | None) -> None:
+    """A checkpoint resumes only with the LoRA settings it was trained with: alpha and rslora
+    are not in the state dict (peft keeps the scaling as an attribute), so another value would
+    load cleanly and silently rescale the policy; rank and targets would fail on raw keys."""
+    now = lora.spec() if lora is not None and lora.enabled else {"rank": 0}
+    saved = saved or {"rank": 0}  # a checkpoint without the entry: full fine-tuning
+    if saved["rank"] == now["rank"] == 0:
+        return
+    for field in FIELDS:
+        if saved.get(field) != now.get(field):
+            check(
+                f"model.lora.{field}",
+                now.get(field),
+                False,
+                f"{saved.get(field)!r}, as in the checkpoint being resumed (trained with {saved})",
+            )

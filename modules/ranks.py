@@ -1,4 +1,4 @@
-"""Collectives on metrics: reduce a step's metric dict over DDP ranks."""
+"""Collectives on metrics: reduce a step's metric dict over DDP ranks; agree on finiteness."""
 
 from __future__ import annotations
 
@@ -36,3 +36,15 @@ def sum_over_ranks(t: torch.Tensor, world: int) -> torch.Tensor:
 
         dist.all_reduce(t)
     return t
+
+
+def all_ranks_finite(loss: torch.Tensor, logp: torch.Tensor, device: torch.device, world: int) -> bool:
+    """True when loss and logprobs are finite on every rank. Under DDP one rank skipping
+    alone would leave the others waiting forever in the gradient all-reduce."""
+    finite = torch.tensor(float(bool(torch.isfinite(loss)) and bool(torch.isfinite(logp).all())))
+    if world > 1:
+        import torch.distributed as dist
+
+        finite = finite.to(device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item() > 0)

@@ -112,6 +112,9 @@ def validate(cfg: DictConfig) -> None:
         isinstance(trainer.get("max_steps"), int) and trainer.get("max_steps") >= 1,
         "an int >= 1 (optimizer steps)",
     )
+    from modules.lora import validate_lora
+
+    validate_lora(cfg)  # model.lora: fields, module, strategy, names of the model's layers
     if cfg.get("module", {}).get("_target_", "").endswith("GRPOModule"):
         _validate_rl(cfg)
 
@@ -171,9 +174,6 @@ def _validate_rl(cfg: DictConfig) -> None:
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
     _check_not_degenerate(cfg)
-    from modules.lora import validate_lora
-
-    validate_lora(cfg)  # model.lora: fields, the strategy, names of the model's layers
     obj = algo.get("objective") or {}
     for side in ("eps_low", "eps_high"):
         if side in obj:

@@ -147,6 +147,10 @@ def test_scaling_and_rslora():
         ("model.lora.target_modules=[q_proj,attn_out]", "model.lora.target_modules"),
         ("model.lora.rslora=maybe", "model.lora.rslora"),
         ("trainer=fsdp_cpu", "model.lora.rank"),
+        ("recipe=sft_warmup", "model.lora.rank"),  # SFT trains every weight: not ignored silently
+        ("+model.lora.dropout=0.1", "model.lora"),  # RL needs dropout off; unknown fields named
+        ("~model.lora._target_", "model.lora._target_"),
+        ("model.lora.target_modules=[lm_head]", "model.lora.target_modules"),  # tied: never sent
     ],
 )
 def test_bad_lora_settings_name_the_field_at_start_up(models, override, field):
@@ -183,3 +187,56 @@ def test_engine_serves_the_merged_lora_policy(engine, models):
         )
     assert (got - want[0, -len(got) :]).abs().max() < 3e-4  # vLLM-CPU vs torch kernels: ~1e-4
     assert (got - base[0, -len(got) :]).abs().max() > 1e-2  # not the base it started from
+
+
+def test_names_are_checked_when_the_adapters_are_built_too(models):
+    """A hub model has no local config at start-up: the same check runs on the loaded model
+    (peft alone would adapt the names that match and skip a typo silently)."""
+    policy, _ = build_policy(models["tied"])
+    with pytest.raises(ConfigError, match="v_prj not found"):
+        LoRA(rank=4, target_modules=["q_proj", "v_prj"]).wrap(policy)
+
+
+@pytest.mark.parametrize(
+    "saved, now, field",
+    [
+        (
+            {"rank": 8, "alpha": 32.0, "target_modules": "all-linear", "rslora": False},
+            dict(rank=8, alpha=16),
+            "alpha",
+        ),
+        (
+            {"rank": 8, "alpha": 32.0, "target_modules": "all-linear", "rslora": False},
+            dict(rank=8, rslora=True),
+            "rslora",
+        ),
+        ({"rank": 8, "alpha": 32.0, "target_modules": "all-linear", "rslora": False}, dict(rank=4), "rank"),
+        (None, dict(rank=8), "rank"),  # a full fine-tuning checkpoint
+        ({"rank": 8, "alpha": 32.0, "target_modules": "all-linear", "rslora": False}, dict(rank=0), "rank"),
+    ],
+)
+def test_resume_refuses_other_lora_settings_naming_the_field(saved, now, field):
+    from modules.lora import check_resume
+
+    with pytest.raises(ConfigError, match=rf"model\.lora\.{field}"):
+        check_resume(saved, LoRA(**now))
+    check_resume(LoRA(**now).spec() if now["rank"] else None, LoRA(**now))  # the same: resumes
+
+
+def test_a_checkpoint_resumes_with_the_same_lora_and_refuses_another_alpha(models, tmp_path):
+    cfg = compose([f"model.path={models['tied']}", "model.lora.rank=4"])
+    module = instantiate(cfg.module)
+    module.configure_model()
+    _perturb_adapters(module.policy)
+    ckpt = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(ckpt)
+    resumed = instantiate(cfg.module)
+    resumed.on_load_checkpoint(ckpt)  # what Lightning calls before loading the state dict
+    resumed.load_state_dict(ckpt["state_dict"])
+    a, b = named_weights(module.policy), named_weights(resumed.policy)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = instantiate(
+        compose([f"model.path={models['tied']}", "model.lora.rank=4", "model.lora.alpha=8"]).module
+    )
+    with pytest.raises(ConfigError, match=r"model\.lora\.alpha"):
+        other.on_load_checkpoint(ckpt)
