@@ -111,28 +111,35 @@ def is_lora(model: Any) -> bool:
 def merged_weights(model: Any) -> dict[str, torch.Tensor]:
     """The HF state dict of the base with every adapter merged in: W + scaling * B A under
     W's own name (``q_proj.weight``), adapters' own tensors left out. The model is not changed
-    (no merge / unmerge round trip, which would not give back W bit for bit)."""
+    (no merge / unmerge round trip, which would not give back W bit for bit). One fused
+    ``addmm`` per adapted layer (half the time of peft's delta-then-add, measured)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
+    state = base.state_dict()
+    merged: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    delta = module.get_delta_weight(adapter)
-                    key = f"{name}.weight"
-                    deltas[key] = deltas[key] + delta if key in deltas else delta
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in base.state_dict().items():
-        if ".lora_" in key:
+        if not isinstance(module, LoraLayer) or module.merged:
             continue
-        key = key.replace(".base_layer.", ".")
-        out[key] = (tensor + deltas[key].to(tensor.dtype)) if key in deltas else tensor
-    missing = set(deltas) - set(out)
-    if missing:  # a renamed layout would silently push unadapted weights
-        raise RuntimeError(f"LoRA deltas without a base weight: {sorted(missing)[:3]}")
-    return out
+        key = f"{name}.base_layer.weight"
+        if key not in state:  # a renamed layout would silently push unadapted weights
+            raise RuntimeError(f"LoRA layer {name} has no base weight {key}")
+        weight = state[key]
+        for adapter in module.active_adapters:
+            if adapter not in module.lora_A:
+                continue
+            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            plain = not module.fan_in_fan_out and not module.use_dora.get(adapter, False)
+            if plain and a.dtype == b.dtype == weight.dtype:
+                weight = torch.addmm(weight, b, a, alpha=module.scaling[adapter])
+            else:
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        merged[key] = weight
+    return {
+        key.replace(".base_layer.", "."): merged.get(key, tensor)
+        for key, tensor in state.items()
+        if ".lora_" not in key
+    }
 
 
 def functional_target(model: Any, weights: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -28,8 +28,9 @@ def _lora_policy(path, rank=4, seed=0, **kw):
     return policy
 
 
-def test_merged_weights_are_peft_merge_and_unload_under_hf_names(models):
-    policy = _lora_policy(models["tied"], rank=4)
+@pytest.mark.parametrize("kw", [{}, {"rslora": True, "alpha": 8}])
+def test_merged_weights_are_peft_merge_and_unload_under_hf_names(models, kw):
+    policy = _lora_policy(models["tied"], rank=4, **kw)
     merged = named_weights(policy)
     reference = copy.deepcopy(policy).merge_and_unload()
     expected = named_weights(reference)  # a plain HF model now
