@@ -72,6 +72,12 @@ class WeightSync(L.Callback):
     With ``verify`` the engine then scores one trained sequence and its logprobs must match
     the trainer's within ``tolerance`` (one prefill per sync; a silent sync bug, e.g. a stale
     tied ``lm_head``, otherwise shows up only as a slowly drifting ``train/kl_behavior``).
+    When that sequence exceeds the tolerance, two more of the batch's sequences are scored and
+    the sync fails only if the median of the three does: a wrong or stale sync moves every
+    sequence, while vLLM-CPU's float32 kernels can differ from torch's by ~1e-3 on a single
+    sequence of a peaked policy (measured: 1.17e-3 on one probe at version 58 of a LoRA run at
+    lr 5e-3, with the trainer's float32 and float64 forwards agreeing to 6e-5 and 64 other
+    sequences of that policy within 1.1e-4).
 
     ``lag`` K > 0 is a delayed sync, for off-policy experiments: when the trainer reaches
     version v the engine gets the weights of version v - K (kept on rank 0's CPU, K + 1 copies,
@@ -99,6 +105,7 @@ class WeightSync(L.Callback):
         self.tolerance = verify_tolerance(tolerance, engine_dtype)
         self.lag = lag
         self.last_probe: list[int] | None = None
+        self.spare_probes: list[list[int]] = []  # scored only when last_probe exceeds the tolerance
         # (version, CPU weights) of the last lag + 1 versions; the oldest is what the engine serves
         self.delay_line: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.served_version: int | None = None  # what the engine serves (rank 0; None: nothing yet)
@@ -143,13 +150,26 @@ class WeightSync(L.Callback):
         pl_module.last_weight_sync_s = trainer.datamodule.sync_weights(served, served_version)
         if self.verify and self.last_probe:
             t0 = time.perf_counter()
-            diff = self._max_diff(trainer, pl_module, self.last_probe, None if served is weights else served)
-            pl_module.last_weight_verify_s = time.perf_counter() - t0
+            delayed = None if served is weights else served
+            diff = self._max_diff(trainer, pl_module, self.last_probe, delayed)
             pl_module.last_weight_sync_diff = diff
-            if not diff <= self.tolerance:
+            diffs = [diff]
+            if not diff <= self.tolerance:  # one sequence off, or every one? (class docstring)
+                diffs += [self._max_diff(trainer, pl_module, p, delayed) for p in self.spare_probes]
+                log.warning(
+                    "weight sync %d: the probe differs by %.2e (> %.0e); other sequences: %s",
+                    served_version,
+                    diff,
+                    self.tolerance,
+                    ", ".join(f"{d:.2e}" for d in diffs[1:]) or "none",
+                )
+            pl_module.last_weight_verify_s = time.perf_counter() - t0
+            median = sorted(diffs)[len(diffs) // 2]
+            if not median <= self.tolerance:
                 raise WeightSyncError(
                     f"after syncing version {served_version} the engine's logprobs differ from the "
-                    f"trainer's by {diff:.2e} (> tolerance {self.tolerance:.0e})"
+                    f"trainer's by {', '.join(f'{d:.2e}' for d in diffs)} on {len(diffs)} sequences "
+                    f"(median > tolerance {self.tolerance:.0e})"
                 )
 
     def state_dict(self) -> dict[str, object]:
@@ -223,8 +243,12 @@ class WeightSync(L.Callback):
         batch = pl_module.current_batch
         if batch is None or not batch.get("sync_after"):
             return
-        n = int(batch["attention_mask"][0].sum())
-        self.last_probe = batch["input_ids"][0, :n].tolist()
+        rows = [
+            batch["input_ids"][i, : int(batch["attention_mask"][i].sum())].tolist()
+            for i in range(3)
+            if i < len(batch["input_ids"])
+        ]
+        self.last_probe, self.spare_probes = rows[0], rows[1:]
         self._sync(trainer, pl_module, pl_module.policy_version + 1)
         self.synced_step = trainer.global_step
 
