@@ -1,7 +1,7 @@
 """LoRA on the policy (peft), and the merged weights the engine serves.
 
     python train.py recipe=lora_grpo
-    python train.py recipe=sync_grpo model.lora.rank=16 module.optimizer.lr=5e-3
+    python train.py recipe=sync_grpo model.lora.rank=16 module.optimizer.lr=2e-3
 
 The trainer holds frozen base weights plus trainable low-rank adapters: W x + (alpha / r) B A x
 (``rslora``: alpha / sqrt(r)). Only the adapters get gradients and AdamW state, which is where
