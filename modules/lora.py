@@ -128,9 +128,13 @@ def merged_weights(model: Any) -> dict[str, torch.Tensor]:
         for adapter in module.active_adapters:
             if adapter not in module.lora_A:
                 continue
+            if adapter in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(
+                adapter
+            ):
+                # DoRA & co rescale W + BA, lora_bias moves the bias: not W + delta (wrap never sets them)
+                raise NotImplementedError(f"merging LoRA variants / lora_bias ({name}) is not supported")
             a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-            plain = not module.fan_in_fan_out and not module.use_dora.get(adapter, False)
-            if plain and a.dtype == b.dtype == weight.dtype:
+            if not module.fan_in_fan_out and a.dtype == b.dtype == weight.dtype:
                 weight = torch.addmm(weight, b, a, alpha=module.scaling[adapter])
             else:
                 weight = weight + module.get_delta_weight(adapter).to(weight.dtype)

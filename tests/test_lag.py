@@ -179,25 +179,27 @@ def test_verify_tolerance_follows_the_engine_dtype():
         WeightSync(engine_dtype="auto")  # what auto means depends on the checkpoint
 
 
-@pytest.mark.parametrize("off", ["one", "all"])
+@pytest.mark.parametrize("off", ["one", "all", "one_far", "one_nan"])
 def test_verify_fails_only_when_most_probes_disagree(setup, off):
-    """A float32 kernel outlier on one sequence does not stop the run (two more sequences are
-    scored and their median decides); an engine off on every sequence still fails the sync."""
+    """A float32 kernel outlier on one sequence (a few times the tolerance) does not stop the
+    run: two more sequences are scored and two of three must fail. An engine off on every
+    sequence, or one sequence off by 10x the tolerance or more, or NaN, fails the sync."""
     trainer, module, engine = setup
-    cb = WeightSync(verify=True, tolerance=1e-5, lag=0)
+    cb = WeightSync(verify=True, tolerance=2e-4, lag=0)
     probes = [[5, 7, 9, 11, 13, 6, 8], [6, 8, 10, 12], [7, 9, 11, 13, 15]]
     cb.last_probe, cb.spare_probes = probes[0], probes[1:]
     score = engine.engine_logprobs
+    skew = {"one": 1e-3, "all": 1e-3, "one_far": 5.0, "one_nan": float("nan")}[off]
 
     def skewed(seq):
         lp = score(seq)
-        return [x + 1e-3 for x in lp] if off == "all" or seq == probes[0] else lp
+        return [x + skew for x in lp] if off == "all" or seq == probes[0] else lp
 
     engine.engine_logprobs = skewed
     train_one_step(module.policy, 1)
-    if off == "all":
-        with pytest.raises(WeightSyncError, match="on 3 sequences"):
-            cb._sync(trainer, module, 1)
-    else:
+    if off == "one":
         cb._sync(trainer, module, 1)
-        assert module.last_weight_sync_diff == pytest.approx(1e-3, rel=0.05)  # the probe's, logged
+        assert module.last_weight_sync_diff == pytest.approx(1e-3, rel=0.2)  # the probe's, logged
+    else:
+        with pytest.raises(WeightSyncError, match="after syncing version 1"):
+            cb._sync(trainer, module, 1)
