@@ -85,7 +85,7 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
 
     cfg = compose_config(run_overrides(run_dir), output_dir=str(run_dir))
     torch.set_num_threads(cfg.torch_threads)
-    from modules.callbacks import verify_tolerance
+    from modules.weight_sync import verify_tolerance
 
     tolerance = verify_tolerance(cfg.callbacks.weight_sync.tolerance, cfg.engine.dtype)
     logged = wall_at_steps(run_dir)

@@ -38,9 +38,9 @@ import math
 import lightning as L
 import torch
 
-from modules.callbacks import WeightSync
 from modules.config_errors import check
 from modules.drift import DriftDetector, DriftReading
+from modules.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from modules.callbacks import WeightSync
+from modules.weight_sync import WeightSync
 
 
 class DumpRankWeights(L.Callback):

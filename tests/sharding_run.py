@@ -144,10 +144,11 @@ def main() -> None:
     L.seed_everything(0)
     from functools import partial
 
-    from modules.callbacks import SaveHFModel, WeightSync
+    from modules.callbacks import SaveHFModel
     from modules.grpo import GRPOModule
     from modules.losses import PolicyLoss
     from modules.sharding import FSDP2Strategy
+    from modules.weight_sync import WeightSync
 
     module = GRPOModule(args.model, PolicyLoss(), optimizer=partial(torch.optim.AdamW, lr=1e-2))
     passes = []  # pi_old passes this rank ran (Recompute rows: rank 0 only)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from modules.callbacks import WeightSync
 from modules.config_errors import ConfigError
 from modules.controller import DriftCallback, scale_learning_rate
 from modules.drift import DriftDetector
+from modules.weight_sync import WeightSync
 
 
 def healthy(step: int, rng: random.Random) -> dict[str, float]:

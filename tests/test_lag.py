@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from modules.callbacks import WeightSync, WeightSyncError
 from modules.lora import LoRA, is_lora
 from modules.policy import build_policy, load_policy, named_weights, token_logprobs
+from modules.weight_sync import WeightSync, WeightSyncError
 
 
 class RecordingEngine:

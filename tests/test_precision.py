@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from modules.callbacks import VERIFY_TOLERANCE, verify_tolerance
 from modules.validate import mismatch_warning, validate
+from modules.weight_sync import VERIFY_TOLERANCE, verify_tolerance
 from tests.conftest import compose
 
 GPU_RECIPES = ["gsm8k_grpo", "math_grpo"]
