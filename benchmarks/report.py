@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 from pathlib import Path
 
 
@@ -173,6 +174,11 @@ def drift_panel(a: object, b: object, rows: list[dict[str, float]]) -> None:
                 where="post",
                 label="staleness bound",
             )
+            cap = [
+                (x, y) for x, y in zip(*series(rows, "step", "controller/weight_limit")) if math.isfinite(y)
+            ]
+            if cap:
+                b.plot(*zip(*cap), "g.", markersize=3, label="correction weight cap")
             c.set_ylabel("staleness bound (versions)")
             c.legend(loc="upper right", fontsize=8)
             b.legend(loc="upper left", fontsize=8)
@@ -180,7 +186,7 @@ def drift_panel(a: object, b: object, rows: list[dict[str, float]]) -> None:
             b.text(0.5, 0.5, "monitor only: no controller actions", ha="center", transform=b.transAxes)
     a.set_title("drift score (robust z or ceiling) and alarms")
     a.set_xlabel("step")
-    b.set_title("controller: lr scale and staleness bound")
+    b.set_title("controller: lr scale, weight cap and staleness bound")
     b.set_xlabel("step")
 
 

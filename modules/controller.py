@@ -16,6 +16,12 @@ steps:
   one notch per ``cooldown`` steps would take 40 steps to get to K = 0.
 * ``lr``: multiply the learning rate by ``lr_factor`` (floor ``min_lr_scale`` of the configured
   rate). A smaller step keeps the current policy close to the behaviour policy whatever the lag.
+* ``truncate``: cap the correction's weights (``Correction.limit``): an uncapped correction
+  (``token_is``, ``seq_is``, ``icepop``'s upper band ...) is capped at ``truncate_to``, a capped
+  one has its cap halved, never below 1 (a cap under 1 would only scale every weight down).
+  Trades the weights' variance for truncation bias, at no cost in throughput; only under the
+  decoupled anchor with a correction (the bypass anchor's weights are already <= 1). Its
+  notches are relaxed after all the others: a cap costs no throughput and little learning.
 
 After ``relax_after`` consecutive quiet steps (relative score below half the threshold, no
 signal at its ceiling) it relaxes the most recent notch by one step: the bound up by one
@@ -39,12 +45,14 @@ import lightning as L
 import torch
 
 from modules.config_errors import check
+from modules.corrections import Correction, NoCorrection
 from modules.drift import DriftDetector, DriftReading
 from modules.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("staleness", "lr")
+ACTIONS = ("staleness", "lr", "truncate")
+MIN_TRUNCATION = 1.0
 
 
 def scale_learning_rate(trainer: L.Trainer, factor: float) -> None:
@@ -71,6 +79,7 @@ class DriftCallback(L.Callback):
         cooldown: int = 5,
         relax_after: int = 20,
         lr_relax_steps: int = 4,
+        truncate_to: float = 2.0,
     ) -> None:
         actions = list(actions or [])
         for a in actions:
@@ -92,7 +101,16 @@ class DriftCallback(L.Callback):
             isinstance(lr_relax_steps, int) and lr_relax_steps >= 1,
             "an int >= 1 (relaxations that undo one lr cut)",
         )
+        check(
+            "callbacks.drift.truncate_to",
+            truncate_to,
+            isinstance(truncate_to, (int, float))
+            and math.isfinite(truncate_to)
+            and truncate_to >= MIN_TRUNCATION,
+            f"a finite float >= {MIN_TRUNCATION} (the first cap put on uncapped correction weights)",
+        )
         self.lr_relax_steps = lr_relax_steps
+        self.truncate_to = float(truncate_to)
         self.detector = detector
         self.actions = actions
         self.lr_factor = lr_factor
@@ -101,11 +119,13 @@ class DriftCallback(L.Callback):
         self.relax_after = relax_after
         self.lr_scale = 1.0
         # actions taken and not undone, most recent last:
-        # ("lr", factor still to undo, step up per relaxation) or ("staleness", bound before the
+        # ("lr", factor still to undo, step up per relaxation), ("staleness", bound before the
         # cut, bound the cut started from: the smaller when a loose bound came down to what the
-        # run saw). A lr_relax_steps changed on resume applies to the next cut.
+        # run saw) or ("truncate", limit before the cut (inf: none), limit set). A
+        # lr_relax_steps changed on resume applies to the next cut.
         self.notches: list[tuple[str, float, float]] = []
         self.bound: int | None = None  # the staleness bound as the controller left it (None: untouched)
+        self.limit: float | None = None  # the correction's weight limit as the controller left it
         self.since_action = cooldown
         self.healthy = 0
         self.alarms = 0
@@ -131,6 +151,30 @@ class DriftCallback(L.Callback):
         else:
             trainer.datamodule.set_staleness_bound(value)
 
+    @staticmethod
+    def _correction(pl_module: L.LightningModule) -> Correction | None:
+        """The correction whose weights ``truncate`` caps: None when they cannot exceed 1 (no
+        correction, or the bypass anchor, where pi_old := mu)."""
+        loss = pl_module.loss_fn
+        if loss.anchor != "decoupled" or isinstance(loss.correction, NoCorrection):
+            return None
+        return loss.correction
+
+    def _truncate(self, pl_module: L.LightningModule) -> str | None:
+        correction = self._correction(pl_module)
+        if correction is None:
+            return None
+        caps = [c for c in (correction.limit, correction.cap) if c is not None]
+        now = min(caps) if caps else math.inf
+        new = max(self.truncate_to if now == math.inf else now / 2, MIN_TRUNCATION)
+        if new >= now - 1e-9:
+            return None
+        before = math.inf if correction.limit is None else correction.limit
+        correction.limit = self.limit = new
+        # truncate notches stay at the front of the list, in order: relaxed after every other
+        self.notches.insert(sum(n[0] == "truncate" for n in self.notches), ("truncate", before, new))
+        return f"correction weights capped at {new:.3g} (was {now:.3g})"
+
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Which knob, from the configured values; then re-apply a resumed run's bound (callback
@@ -142,6 +186,10 @@ class DriftCallback(L.Callback):
         self._ramp_done = self._lag_knob is None or self._resumed_ramp_done
         if self.bound is not None and self._configured_bound is not None:
             self._set_bound(trainer, self.bound)
+        if self.limit is not None and "truncate" in self.actions:
+            correction = self._correction(pl_module)
+            if correction is not None:
+                correction.limit = self.limit
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -177,19 +225,25 @@ class DriftCallback(L.Callback):
         self.alarms += int(reading.alarm)
         self.since_action += 1
         if self.actions:
-            self._control(trainer, reading)
+            self._control(trainer, pl_module, reading)
             values["controller/lr_scale"] = self.lr_scale
             bound = self._bound(trainer)
             if bound is not None:
                 values["controller/staleness_bound"] = float(bound)
             values["controller/notches"] = float(len(self.notches))
+            if "truncate" in self.actions:
+                values["controller/weight_limit"] = math.inf if self.limit is None else self.limit
         for k, v in values.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, batch_size=1)
 
-    def _control(self, trainer: L.Trainer, reading: DriftReading) -> None:
+    def _control(self, trainer: L.Trainer, pl_module: L.LightningModule, reading: DriftReading) -> None:
         step = trainer.global_step
         if reading.alarm and self.since_action >= self.cooldown:
             done = []
+            if "truncate" in self.actions:
+                what = self._truncate(pl_module)
+                if what:
+                    done.append(what)
             if "staleness" in self.actions:
                 before = self._bound(trainer)
                 bound = before
@@ -235,6 +289,15 @@ class DriftCallback(L.Callback):
                 scale_learning_rate(trainer, up)
                 self.lr_scale *= up
                 what = f"lr up to {self.lr_scale:.3g} of configured"
+            elif kind == "truncate":  # ("truncate", limit before, limit set): one step back
+                self.limit = None if value == math.inf else value
+                self._correction(pl_module).limit = self.limit
+                self.notches.pop()
+                what = (
+                    "correction weights uncapped"
+                    if self.limit is None
+                    else f"weight cap up to {self.limit:.3g}"
+                )
             else:
                 now = self._bound(trainer)
                 new = (now or 0) + 1
@@ -261,6 +324,7 @@ class DriftCallback(L.Callback):
             "detector": self.detector.state_dict(),
             "lr_scale": self.lr_scale,
             "bound": self.bound,
+            "limit": self.limit,
             "notches": [list(n) for n in self.notches],
             "since_action": self.since_action,
             "healthy": self.healthy,
@@ -273,6 +337,8 @@ class DriftCallback(L.Callback):
         self.lr_scale = float(state_dict["lr_scale"])  # type: ignore[arg-type]
         bound = state_dict["bound"]
         self.bound = None if bound is None else int(bound)  # type: ignore[arg-type]
+        limit = state_dict.get("limit")
+        self.limit = None if limit is None else float(limit)  # type: ignore[arg-type]
         self.notches = [self._notch(n) for n in state_dict["notches"]]  # type: ignore[union-attr]
         self.since_action = int(state_dict["since_action"])  # type: ignore[arg-type]
         self.healthy = int(state_dict["healthy"])  # type: ignore[arg-type]

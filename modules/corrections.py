@@ -104,6 +104,9 @@ class Correction(ABC):
     gate = False
     per_sequence = False
     cap: float | None = None  # truncation C of the weight (gates: of the pi_old / mu they multiply)
+    # an outer truncation of the final weight (before self-normalisation), None when off; set
+    # at run time by the drift controller's ``truncate`` action (modules/controller.py)
+    limit: float | None = None
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
@@ -119,6 +122,8 @@ class Correction(ABC):
         if self.gate and bool(((log_w * mask) != 0).any()):  # decoupled: pi_old / mu != 1
             w = w * self.behaviour_weight(log_w)  # now a token-level weight
             per_sequence = False
+        if self.limit is not None:
+            w = w.clamp(max=self.limit)
         if self.self_normalize:
             w = self_normalized(w, mask, per_sequence)
         return w, diagnostics(w, mask, log_w)

@@ -244,3 +244,16 @@ def test_decoupled_anchor_uses_pi_old_and_behaviour_weight():
     assert m["mismatch/k1"].item() == pytest.approx(-math.log(2.0))
     with pytest.raises(ValueError, match="decoupled"):
         policy_loss(logp, mu, torch.tensor([1.0]), torch.ones(1, 2), anchor="decoupled")
+
+
+def test_limit_caps_the_final_weight_of_any_correction():
+    torch.manual_seed(0)
+    log_w = torch.randn(4, 6)
+    mask = torch.ones_like(log_w)
+    capped = C.TokenIS()
+    capped.limit = 1.5
+    assert torch.equal(capped(log_w, mask)[0], C.TruncatedTokenIS(cap=1.5)(log_w, mask)[0])
+    seq = C.SequenceIS()
+    seq.limit = 2.0
+    w = seq(log_w, mask)[0]
+    assert float(w.max()) <= 2.0 and torch.equal(w, C.SequenceIS(cap=2.0)(log_w, mask)[0])

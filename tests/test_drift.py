@@ -11,7 +11,9 @@ import torch
 
 from modules.config_errors import ConfigError
 from modules.controller import DriftCallback, scale_learning_rate
+from modules.corrections import NoCorrection, TokenIS, TruncatedTokenIS
 from modules.drift import DriftDetector
+from modules.losses import PolicyLoss
 from modules.weight_sync import WeightSync
 
 
@@ -131,6 +133,8 @@ def test_detector_bad_config(kw, field):
         ({"lr_factor": 1.0}, "callbacks.drift.lr_factor"),
         ({"cooldown": 0}, "callbacks.drift.cooldown"),
         ({"relax_after": 0}, "callbacks.drift.relax_after"),
+        ({"truncate_to": 0.5}, "callbacks.drift.truncate_to"),
+        ({"truncate_to": math.inf}, "callbacks.drift.truncate_to"),
     ],
 )
 def test_controller_bad_config(kw, field):
@@ -150,7 +154,7 @@ class FakeDataModule:
         self.bound = value
 
 
-def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, **kw):
+def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, loss: PolicyLoss | None = None, **kw):
     param = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([param], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
@@ -169,6 +173,7 @@ def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, **kw):
     module = SimpleNamespace(
         parameters=lambda: [param],
         log=lambda k, v, **_: logged[-1].__setitem__(k, float(v)),
+        loss_fn=loss or PolicyLoss(correction=TokenIS(), anchor="decoupled"),
     )
     cb.on_fit_start(trainer, module)
     return cb, trainer, module, ws, opt, sched, logged
@@ -306,7 +311,7 @@ def test_config_group_composes(tmp_path):
 
     cfg = compose(["callbacks/drift=controller", "recipe=async_grpo"])
     cb = build(cfg.callbacks.drift)
-    assert isinstance(cb, DriftCallback) and cb.actions == ["staleness", "lr"]
+    assert isinstance(cb, DriftCallback) and cb.actions == ["staleness", "lr", "truncate"]
     assert "drift" not in compose([]).callbacks  # opt-in
 
 
@@ -493,3 +498,61 @@ def test_an_lr_cut_is_undone_in_lr_relax_steps_geometric_steps():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
     with pytest.raises(ConfigError, match="callbacks.drift.lr_relax_steps"):
         make_run(lr_relax_steps=0)
+
+
+# ---------------------------------------------------------------------- the truncate action
+def alarm_then_quiet(cb, trainer, module, logged, alarm_steps: int, quiet_steps: int) -> list[float | None]:
+    """Far over the KL ceiling for ``alarm_steps``, then healthy; the correction's limit per step."""
+    limits = []
+    for t in range(alarm_steps + quiet_steps):
+        kl = 2.0 if t < alarm_steps else 1e-3
+        feed(cb, trainer, module, logged, {"train/kl_behavior": kl, "rollout/staleness_max": 4.0})
+        limits.append(module.loss_fn.correction.limit)
+    return limits
+
+
+def test_truncate_caps_an_uncapped_correction_halves_to_one_and_relaxes_last():
+    cb, trainer, module, ws, opt, sched, logged = make_run(
+        lag=4, cooldown=2, relax_after=3, lr_relax_steps=1, actions=["staleness", "lr", "truncate"]
+    )
+    corr = module.loss_fn.correction
+    limits = alarm_then_quiet(cb, trainer, module, logged, alarm_steps=12, quiet_steps=0)
+    assert 2.0 in limits and limits[-1] == 1.0  # token IS: capped at 2, then halved, floor 1
+    kinds = [n[0] for n in cb.notches]
+    assert kinds[:2] == ["truncate", "truncate"] and "truncate" not in kinds[2:]  # relaxed last
+    assert logged[-1]["controller/weight_limit"] == 1.0
+    # the capped weights are what the loss now uses
+    log_w = torch.tensor([[math.log(5.0), 0.0, math.log(0.5)]])
+    w, _ = corr(log_w, torch.ones_like(log_w))
+    assert w.tolist() == [[1.0, 1.0, 0.5]]
+    order = []
+    while cb.notches and len(order) < 100:
+        kind = cb.notches[-1][0]
+        before = len(cb.notches)
+        alarm_then_quiet(cb, trainer, module, logged, alarm_steps=0, quiet_steps=1)
+        if len(cb.notches) < before:
+            order.append(kind)
+    assert order[-2:] == ["truncate", "truncate"] and set(order[:-2]) == {"staleness", "lr"}
+    assert corr.limit is None and ws.lag == 4 and cb.lr_scale == pytest.approx(1.0)
+    assert logged[-1]["controller/weight_limit"] == math.inf
+
+
+def test_truncate_halves_an_existing_cap_and_leaves_bypass_alone():
+    tis = PolicyLoss(correction=TruncatedTokenIS(cap=2.0), anchor="decoupled")
+    cb, trainer, module, *_, logged = make_run(loss=tis, cooldown=1, actions=["truncate"])
+    assert alarm_then_quiet(cb, trainer, module, logged, alarm_steps=6, quiet_steps=0)[-1] == 1.0
+    assert len(cb.notches) == 1  # 2 -> 1, then nothing below the floor
+    for loss in (PolicyLoss(correction=NoCorrection(), anchor="decoupled"), PolicyLoss()):
+        cb, trainer, module, *_, logged = make_run(loss=loss, cooldown=1, actions=["truncate"])
+        alarm_then_quiet(cb, trainer, module, logged, alarm_steps=6, quiet_steps=0)
+        assert not cb.notches and module.loss_fn.correction.limit is None
+
+
+def test_resume_reapplies_the_weight_cap():
+    cb, trainer, module, *_, logged = make_run(cooldown=1, actions=["truncate"])
+    alarm_then_quiet(cb, trainer, module, logged, alarm_steps=4, quiet_steps=0)
+    state = cb.state_dict()
+    cb2, trainer2, module2, *_ = make_run(cooldown=1, actions=["truncate"])
+    cb2.load_state_dict(state)
+    cb2.on_fit_start(trainer2, module2)
+    assert module2.loss_fn.correction.limit == module.loss_fn.correction.limit == 1.0
