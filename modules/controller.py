@@ -16,15 +16,17 @@ steps:
   one notch per ``cooldown`` steps would take 40 steps to get to K = 0.
 * ``lr``: multiply the learning rate by ``lr_factor`` (floor ``min_lr_scale`` of the configured
   rate). A smaller step keeps the current policy close to the behaviour policy whatever the lag.
-* ``truncate``: cap the correction's weights (``Correction.limit``): an uncapped correction
-  (``token_is``, ``seq_is``, ``icepop``'s upper band ...) is capped at ``truncate_to``, a capped
-  one has its cap halved, never below 1 (a cap under 1 would only scale every weight down).
+* ``truncate``: cap the correction's weights (``Correction.limit``): an unbounded correction
+  (``token_is``, ``seq_is``, ``geo_seq_is``) is capped at ``truncate_to``, a bounded one
+  (``tis``'s cap, ``mis``'s / ``icepop``'s upper bound, ``Correction.max_weight``) has its
+  bound halved, never below 1 (below 1 it would clip on-policy tokens, whose weight is 1).
   Trades the weights' variance for truncation bias, at no cost in throughput; only under the
-  decoupled anchor with a correction (the bypass anchor's weights are already <= 1). Its
-  notches are relaxed after all the others: a cap costs no throughput and little learning.
+  decoupled anchor (the bypass anchor's weights are <= 1) and where the bound is above 1. The
+  ``is/*`` diagnostics, ESS included, then describe the capped weights the loss uses. Its
+  notches are relaxed after all the others (a cap costs no throughput), one per relaxation.
 
 After ``relax_after`` consecutive quiet steps (relative score below half the threshold, no
-signal at its ceiling) it relaxes the most recent notch by one step: the bound up by one
+signal at its ceiling) it relaxes the most recent staleness or lr notch (caps last) by one step: the bound up by one
 version (back towards its value before the cut, which is then done), the lr up by a
 ``lr_relax_steps``-th of its cut (x2^(1/4) per step for a halving): multiplicative
 decrease, slow increase, as TCP does with its window (a relaxed lr that at once brings the
@@ -32,7 +34,8 @@ drift back undoes the rescue: measured, docs/estimators.md). Under a delayed syn
 baseline waits until the lag has ramped up to K (its first K versions are less stale); the
 absolute ceilings score from the first step. Skipped (non-finite) steps are not fed to it.
 Every action is logged as ``controller/*`` metrics and on the console. The state (detector,
-notches taken) is checkpointed. Under DDP every rank sees the same reduced metrics and takes
+notches taken, the cap) is checkpointed; a resume whose ``actions`` no longer include
+``truncate``, or whose loss has nothing to cap, drops the cap. Under DDP every rank sees the same reduced metrics and takes
 the same decisions; only rank 0's rollout has a staleness bound to move.
 """
 
@@ -45,7 +48,7 @@ import lightning as L
 import torch
 
 from modules.config_errors import check
-from modules.corrections import Correction, NoCorrection
+from modules.corrections import Correction
 from modules.drift import DriftDetector, DriftReading
 from modules.weight_sync import WeightSync
 
@@ -105,6 +108,7 @@ class DriftCallback(L.Callback):
             "callbacks.drift.truncate_to",
             truncate_to,
             isinstance(truncate_to, (int, float))
+            and not isinstance(truncate_to, bool)
             and math.isfinite(truncate_to)
             and truncate_to >= MIN_TRUNCATION,
             f"a finite float >= {MIN_TRUNCATION} (the first cap put on uncapped correction weights)",
@@ -153,18 +157,20 @@ class DriftCallback(L.Callback):
 
     @staticmethod
     def _correction(pl_module: L.LightningModule) -> Correction | None:
-        """The correction whose weights ``truncate`` caps: None when they cannot exceed 1 (no
-        correction, or the bypass anchor, where pi_old := mu)."""
-        loss = pl_module.loss_fn
-        if loss.anchor != "decoupled" or isinstance(loss.correction, NoCorrection):
+        """The correction whose weights ``truncate`` caps: None when they cannot exceed 1 (the
+        bypass anchor, where pi_old := mu, or a bound <= 1) or the module has no policy loss
+        (SFT)."""
+        loss = getattr(pl_module, "loss_fn", None)  # SFTModule has none
+        if loss is None or loss.anchor != "decoupled":
             return None
-        return loss.correction
+        bound = loss.correction.max_weight
+        return loss.correction if bound is None or bound > MIN_TRUNCATION else None
 
     def _truncate(self, pl_module: L.LightningModule) -> str | None:
         correction = self._correction(pl_module)
         if correction is None:
             return None
-        caps = [c for c in (correction.limit, correction.cap) if c is not None]
+        caps = [c for c in (correction.limit, correction.max_weight) if c is not None]
         now = min(caps) if caps else math.inf
         new = max(self.truncate_to if now == math.inf else now / 2, MIN_TRUNCATION)
         if new >= now - 1e-9:
@@ -186,10 +192,12 @@ class DriftCallback(L.Callback):
         self._ramp_done = self._lag_knob is None or self._resumed_ramp_done
         if self.bound is not None and self._configured_bound is not None:
             self._set_bound(trainer, self.bound)
-        if self.limit is not None and "truncate" in self.actions:
-            correction = self._correction(pl_module)
-            if correction is not None:
-                correction.limit = self.limit
+        correction = self._correction(pl_module)
+        if "truncate" not in self.actions or correction is None:  # nothing to cap now
+            self.notches = [n for n in self.notches if n[0] != "truncate"]
+            self.limit = None
+        elif self.limit is not None:
+            correction.limit = self.limit
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -231,7 +239,7 @@ class DriftCallback(L.Callback):
             if bound is not None:
                 values["controller/staleness_bound"] = float(bound)
             values["controller/notches"] = float(len(self.notches))
-            if "truncate" in self.actions:
+            if "truncate" in self.actions and self._correction(pl_module) is not None:
                 values["controller/weight_limit"] = math.inf if self.limit is None else self.limit
         for k, v in values.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, batch_size=1)
@@ -291,7 +299,9 @@ class DriftCallback(L.Callback):
                 what = f"lr up to {self.lr_scale:.3g} of configured"
             elif kind == "truncate":  # ("truncate", limit before, limit set): one step back
                 self.limit = None if value == math.inf else value
-                self._correction(pl_module).limit = self.limit
+                correction = self._correction(pl_module)
+                if correction is not None:
+                    correction.limit = self.limit
                 self.notches.pop()
                 what = (
                     "correction weights uncapped"

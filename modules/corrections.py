@@ -104,12 +104,20 @@ class Correction(ABC):
     gate = False
     per_sequence = False
     cap: float | None = None  # truncation C of the weight (gates: of the pi_old / mu they multiply)
-    # an outer truncation of the final weight (before self-normalisation), None when off; set
-    # at run time by the drift controller's ``truncate`` action (modules/controller.py)
+    # an outer truncation of the final weight, None when off; set at run time by the drift
+    # controller's ``truncate`` action (modules/controller.py). Like ``cap`` it applies before
+    # self-normalisation, and the ``is/*`` diagnostics describe the weights after it.
     limit: float | None = None
 
     def __init__(self, self_normalize: bool = False) -> None:
         self.self_normalize = self_normalize
+
+    @property
+    def max_weight(self) -> float | None:
+        """The largest weight it can give under the decoupled anchor, before ``limit`` and
+        self-normalisation (None: unbounded). A gate's factor is <= 1, so its bound is the
+        cap of the behaviour weight it multiplies."""
+        return self.cap
 
     @abstractmethod
     def weights(self, log_w: torch.Tensor, mask: torch.Tensor, ctx: dict) -> torch.Tensor:
@@ -152,6 +160,7 @@ def self_normalized(w: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> 
 
 class NoCorrection(Correction):
     uses_pi_old_over_mu = False
+    max_weight = 1.0
 
     def weights(self, log_w, mask, ctx):
         return torch.ones_like(log_w)
@@ -210,6 +219,10 @@ class MaskedIS(Correction):
         keep = (rho >= self.lower) & (rho <= self.upper)
         return torch.where(keep, rho, torch.zeros_like(rho))
 
+    @property
+    def max_weight(self) -> float | None:
+        return self.upper
+
 
 class IcePop(MaskedIS):
     def __init__(self, alpha: float = 0.5, beta: float = 5.0, self_normalize: bool = False) -> None:
@@ -235,6 +248,8 @@ class DeepSeekSequenceMask(Correction):
 
 
 class M2PO(Correction):
+    max_weight = 1.0  # a 0 / 1 mask
+
     def __init__(self, tau: float = 0.04, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
         self.tau = tau
@@ -265,6 +280,10 @@ class VTrace(Correction):
         log_c = torch.log(w.clamp(max=self.c_bar).clamp_min(1e-12)) * mask
         prefix = torch.cumsum(log_c, dim=1) - log_c  # sum over s < t
         return w.clamp(max=self.rho_bar) * prefix.exp()
+
+    @property
+    def max_weight(self) -> float | None:
+        return self.rho_bar if self.c_bar <= 1 else None  # traces > 1 compound along the response
 
 
 class LagWeight(Correction):

@@ -11,7 +11,7 @@ import torch
 
 from modules.config_errors import ConfigError
 from modules.controller import DriftCallback, scale_learning_rate
-from modules.corrections import NoCorrection, TokenIS, TruncatedTokenIS
+from modules.corrections import M2PO, MaskedIS, NoCorrection, TokenIS, TruncatedTokenIS, VTrace
 from modules.drift import DriftDetector
 from modules.losses import PolicyLoss
 from modules.weight_sync import WeightSync
@@ -135,6 +135,7 @@ def test_detector_bad_config(kw, field):
         ({"relax_after": 0}, "callbacks.drift.relax_after"),
         ({"truncate_to": 0.5}, "callbacks.drift.truncate_to"),
         ({"truncate_to": math.inf}, "callbacks.drift.truncate_to"),
+        ({"truncate_to": True}, "callbacks.drift.truncate_to"),
     ],
 )
 def test_controller_bad_config(kw, field):
@@ -556,3 +557,30 @@ def test_resume_reapplies_the_weight_cap():
     cb2.load_state_dict(state)
     cb2.on_fit_start(trainer2, module2)
     assert module2.loss_fn.correction.limit == module.loss_fn.correction.limit == 1.0
+
+
+@pytest.mark.parametrize(
+    "correction, first_cap",
+    [(VTrace(), None), (M2PO(), None), (MaskedIS(upper=2.0), 1.0), (VTrace(rho_bar=1.0, c_bar=2.0), 2.0)],
+)
+def test_truncate_starts_from_the_bound_the_correction_already_has(correction, first_cap):
+    loss = PolicyLoss(correction=correction, anchor="decoupled")
+    cb, trainer, module, *_, logged = make_run(loss=loss, cooldown=1, actions=["truncate"])
+    limits = alarm_then_quiet(cb, trainer, module, logged, alarm_steps=3, quiet_steps=0)
+    first = next((x for x in limits if x is not None), None)
+    assert first == first_cap  # weights already <= 1 (vtrace 1/1, m2po): no action, no notch
+    assert (first_cap is None) == (not cb.notches) == ("controller/weight_limit" not in logged[-1])
+
+
+def test_a_resume_without_truncate_or_without_a_correction_drops_the_cap():
+    cb, trainer, module, *_, logged = make_run(cooldown=1, actions=["truncate", "lr"])
+    alarm_then_quiet(cb, trainer, module, logged, alarm_steps=4, quiet_steps=0)
+    state = cb.state_dict()
+    assert any(n[0] == "truncate" for n in state["notches"])
+    for actions, loss in ((["lr"], None), (["truncate", "lr"], PolicyLoss())):
+        cb2, trainer2, module2, *_, logged2 = make_run(loss=loss, cooldown=1, actions=actions, relax_after=1)
+        cb2.load_state_dict(state)
+        cb2.on_fit_start(trainer2, module2)
+        assert cb2.limit is None and not any(n[0] == "truncate" for n in cb2.notches)
+        alarm_then_quiet(cb2, trainer2, module2, logged2, alarm_steps=0, quiet_steps=40)  # relaxes
+        assert module2.loss_fn.correction.limit is None and not cb2.notches
