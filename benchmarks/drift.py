@@ -19,7 +19,9 @@ Definitions (per run):
 * collapse: the held-out sampled reward of the final policy is below the warm start's, or the
   run stopped on non-finite losses; the collapse *step* is the first step at which the training
   reward's EMA (``train/reward_ema``) falls ``--drop`` below its running maximum (the held-out
-  curve is too coarse to date it);
+  curve is too coarse to date it), or, for a slow slide that never drops that far, the first
+  step from which the EMA stays below the mean training reward of the first 10 steps
+  (``collapse_rule`` says which dated it);
 * lead time: collapse step minus the first alarm step (positive: the alarm came first);
 * false alarm: an alarm in a run that did not collapse.
 
@@ -65,6 +67,22 @@ def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
     return None
 
 
+def below_start_step(rows: list[dict[str, str]], warmup: int = 10) -> int | None:
+    """First step from which the training-reward EMA stays below the mean training reward of
+    the first ``warmup`` trained steps until the end of the run (the training-side twin of
+    "held-out reward below the warm start"); dates a slide that never drops ``--drop`` below
+    its peak."""
+    pts = [(int(r["step"]), float(r["train/reward_ema"])) for r in rows if r.get("train/reward_ema")]
+    raw = [float(r["train/reward_mean"]) for r in rows if r.get("train/reward_mean")][:warmup]
+    if len(raw) < warmup or not pts:
+        return None
+    start = statistics.fmean(raw)
+    since = None
+    for step, x in pts:
+        since = (since if since is not None else step) if x < start else None
+    return since
+
+
 def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
     """First alarm step of a fresh detector fed the run's logged metrics step by step, as the
     monitor feeds it: trained steps only, the baseline from the step the delayed sync's lag
@@ -103,14 +121,21 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict,
     else:
         final = float("nan")
     collapsed = not final >= start_reward
-    c_step = collapse_step(rows, drop) if collapsed else None
-    if collapsed and c_step is None and not summary_path.exists():
-        c_step = max((int(r["step"]) for r in rows if r.get("step")), default=0)
+    c_step, rule = None, None
+    if collapsed:
+        c_step, rule = collapse_step(rows, drop), "drop"
+        if c_step is None and not summary_path.exists():
+            c_step, rule = max((int(r["step"]) for r in rows if r.get("step")), default=0), "stopped"
+        if c_step is None:
+            c_step, rule = below_start_step(rows), "below_start"
+        if c_step is None:
+            rule = None
     alarm = replay(rows, lag, **detector)
     return {
         "final_sampled": final,
         "collapsed": collapsed,
         "collapse_step": c_step,
+        "collapse_rule": rule,
         "first_alarm": alarm,
         "lead_steps": (c_step - alarm) if (c_step is not None and alarm is not None) else None,
         "false_alarm": (not collapsed) and alarm is not None,

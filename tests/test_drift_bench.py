@@ -1,0 +1,75 @@
+"""How ``benchmarks.drift`` dates a collapse and scores the detector, on hand-made metrics.csv."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from benchmarks.drift import analyze_run, below_start_step, collapse_step
+
+FIELDS = ["step", "train/loss", "train/reward_mean", "train/reward_ema"]
+
+
+def rows_of(rewards: list[float]) -> list[dict[str, str]]:
+    """Trained steps 0..n-1 with the module's own EMA (0.9 / 0.1) of the batch reward."""
+    rows, ema = [], None
+    for step, r in enumerate(rewards):
+        ema = r if ema is None else 0.9 * ema + 0.1 * r
+        rows.append(
+            {
+                "step": str(step),
+                "train/loss": "0.1",
+                "train/reward_mean": str(r),
+                "train/reward_ema": str(ema),
+            }
+        )
+    return rows
+
+
+def write_run(run_dir: Path, rows: list[dict[str, str]], final: float | None) -> Path:
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    if final is not None:
+        (run_dir / "eval_summary.json").write_text(json.dumps({"last": {"eval/sampled_reward_mean": final}}))
+    return run_dir
+
+
+def test_a_sharp_drop_is_dated_by_the_drop_rule():
+    rows = rows_of([0.5] * 20 + [0.0] * 20)
+    step = collapse_step(rows, drop=0.15)
+    assert step == 23  # the EMA 0.5 * 0.9^k first <= 0.5 - 0.15 at k = 4
+    assert below_start_step(rows) == 20
+
+
+def test_a_slow_slide_is_dated_where_it_stays_below_its_start():
+    # up to 0.55, then a slow slide to 0.40: never 0.15 below the peak, but below the start
+    rewards = [0.45] * 10 + [0.55] * 10 + [0.55 - 0.005 * k for k in range(40)]
+    rows = rows_of(rewards)
+    assert collapse_step(rows, drop=0.15) is None
+    step = below_start_step(rows)
+    ema = {int(r["step"]): float(r["train/reward_ema"]) for r in rows}
+    start = sum(rewards[:10]) / 10
+    assert step is not None and all(ema[s] < start for s in range(step, len(rewards)))
+    assert ema[step - 1] >= start  # the first step of the final stretch below the start
+
+
+def test_a_dip_that_recovers_is_not_a_slide():
+    rows = rows_of([0.5] * 10 + [0.3] * 10 + [0.6] * 10)
+    assert below_start_step(rows) is None
+
+
+def test_analyze_run_names_the_rule_that_dated_the_collapse(tmp_path):
+    slide = [0.45] * 10 + [0.55] * 10 + [0.55 - 0.005 * k for k in range(40)]
+    out = analyze_run(write_run(tmp_path / "slide", rows_of(slide), 0.30), 0.39, 0.15, {"threshold": 4.0})
+    assert out["collapsed"] and out["collapse_rule"] == "below_start" and out["collapse_step"] is not None
+    sharp = analyze_run(write_run(tmp_path / "sharp", rows_of([0.5] * 20 + [0.0] * 20), 0.0), 0.39, 0.15, {})
+    assert sharp["collapse_rule"] == "drop"
+    stopped = analyze_run(write_run(tmp_path / "stopped", rows_of([0.5] * 12), None), 0.39, 0.15, {})
+    assert stopped["collapsed"] and stopped["collapse_rule"] == "stopped" and stopped["collapse_step"] == 11
+    healthy = analyze_run(write_run(tmp_path / "healthy", rows_of([0.5] * 30), 0.6), 0.39, 0.15, {})
+    assert not healthy["collapsed"] and healthy["collapse_step"] is None and healthy["collapse_rule"] is None
+    assert healthy["first_alarm"] is None and not healthy["false_alarm"]
