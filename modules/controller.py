@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import lightning as L
 import torch
@@ -134,6 +135,7 @@ class DriftCallback(L.Callback):
         self.healthy = 0
         self.alarms = 0
         self.grad_norm: float | None = None
+        self._busy_s = 0.0  # seconds the grad norm took this step
         self._lag_knob: WeightSync | None = None
         self._configured_bound: int | None = None
         self._observed_staleness: int | None = None
@@ -202,8 +204,10 @@ class DriftCallback(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        t0 = time.perf_counter()
         norms = [p.grad.detach().norm(2) for p in pl_module.parameters() if p.grad is not None]
         self.grad_norm = float(torch.stack(norms).norm(2)) if norms else None
+        self._busy_s = time.perf_counter() - t0
 
     def _observed(self, trainer: L.Trainer, pl_module: L.LightningModule, metrics: dict[str, float]) -> None:
         """The largest staleness any rank trained this step (the same on every rank)."""
@@ -217,6 +221,7 @@ class DriftCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object = None, *args: object
     ) -> None:
+        t0 = time.perf_counter()
         grad_norm, self.grad_norm = self.grad_norm, None
         if outputs is None or grad_norm is None:
             return  # a skipped (non-finite) step: nothing was trained, the metrics are stale
@@ -241,6 +246,8 @@ class DriftCallback(L.Callback):
             values["controller/notches"] = float(len(self.notches))
             if "truncate" in self.actions and self._correction(pl_module) is not None:
                 values["controller/weight_limit"] = math.inf if self.limit is None else self.limit
+        # the callback's own cost this step (grad norm + detector + controller), in milliseconds
+        values["perf/drift_callback_ms"] = 1e3 * (self._busy_s + time.perf_counter() - t0)
         for k, v in values.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, batch_size=1)
 

@@ -262,6 +262,7 @@ def test_monitor_only_acts_on_nothing():
         out = feed(cb, trainer, module, logged, drifting(t, rng, start=30))
     assert out["drift/alarm"] == 1.0 and ws.lag == 2 and opt.param_groups[0]["lr"] == 1e-3
     assert not any(k.startswith("controller/") for k in out)
+    assert 0 < out["perf/drift_callback_ms"] < 1e3  # its own cost is logged every step
 
 
 def test_resume_reapplies_the_cut():
