@@ -21,7 +21,8 @@ Definitions (per run):
   reward's EMA (``train/reward_ema``) falls ``--drop`` below its running maximum (the held-out
   curve is too coarse to date it), or, for a slow slide that never drops that far, the first
   step from which the EMA stays below the mean training reward of the first 10 steps
-  (``collapse_rule`` says which dated it);
+  (``collapse_rule`` says which dated it: ``drop``, then ``stopped`` for a run that ended on
+  non-finite losses, then ``below_start``);
 * lead time: collapse step minus the first alarm step (positive: the alarm came first);
 * false alarm: an alarm in a run that did not collapse.
 
@@ -72,14 +73,15 @@ def below_start_step(rows: list[dict[str, str]], warmup: int = 10) -> int | None
     the first ``warmup`` trained steps until the end of the run (the training-side twin of
     "held-out reward below the warm start"); dates a slide that never drops ``--drop`` below
     its peak."""
-    pts = [(int(r["step"]), float(r["train/reward_ema"])) for r in rows if r.get("train/reward_ema")]
-    raw = [float(r["train/reward_mean"]) for r in rows if r.get("train/reward_mean")][:warmup]
-    if len(raw) < warmup or not pts:
+    raw = [(int(r["step"]), float(r["train/reward_mean"])) for r in rows if r.get("train/reward_mean")][:warmup]
+    if len(raw) < warmup:
         return None
-    start = statistics.fmean(raw)
-    since = None
-    for step, x in pts:
-        since = (since if since is not None else step) if x < start else None
+    start, warm_end = statistics.fmean(x for _, x in raw), raw[-1][0]
+    since = None  # only after the reference window: a date inside it could precede any alarm
+    for r in rows:
+        if r.get("train/reward_ema") and int(r["step"]) > warm_end:
+            x = float(r["train/reward_ema"])
+            since = (since if since is not None else int(r["step"])) if x < start else None
     return since
 
 
@@ -164,12 +166,14 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
             continue
         finals = [r["final_sampled"] for r in runs]
         leads = [r["lead_steps"] for r in runs if r["lead_steps"] is not None]
+        by_rule = [(r["collapse_rule"], r["lead_steps"]) for r in runs if r["lead_steps"] is not None]
         cells[spec] = {
             "final_sampled_mean": statistics.fmean(finals),
             "final_sampled_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "collapsed": sum(r["collapsed"] for r in runs),
             "collapse_steps": [r["collapse_step"] for r in runs if r["collapsed"]],
             "lead_steps": leads,
+            "lead_steps_by_rule": {rule: [x for q, x in by_rule if q == rule] for rule, _ in by_rule},
             "missed_collapses": sum(r["collapsed"] and r["first_alarm"] is None for r in runs),
             "false_alarms": sum(r["false_alarm"] for r in runs),
             "n": len(runs),

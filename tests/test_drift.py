@@ -265,6 +265,16 @@ def test_monitor_only_acts_on_nothing():
     assert 0 < out["perf/drift_callback_ms"] < 1e3  # its own cost is logged every step
 
 
+def test_the_callback_times_its_grad_norm_and_its_step_end_once_each(monkeypatch):
+    import modules.controller as controller
+
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=2)
+    clock = iter([10.0, 10.25, 20.0, 20.5])  # grad norm 0.25 s, step end 0.5 s
+    monkeypatch.setattr(controller.time, "perf_counter", lambda: next(clock))
+    out = feed(cb, trainer, module, logged, healthy(0, random.Random(0)))
+    assert out["perf/drift_callback_ms"] == 750.0
+
+
 def test_resume_reapplies_the_cut():
     cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, cooldown=1, actions=["staleness"])
     rng = random.Random(6)

@@ -57,6 +57,13 @@ def test_a_slow_slide_is_dated_where_it_stays_below_its_start():
     assert ema[step - 1] >= start  # the first step of the final stretch below the start
 
 
+def test_a_slide_is_never_dated_inside_the_reference_window():
+    # a low first reward keeps the EMA under the first 10 steps' raw mean from step 0 on
+    rows = rows_of([0.1] + [0.5] * 9 + [0.3] * 30)
+    assert below_start_step(rows) == 10
+    assert below_start_step(rows_of([0.5] * 9)) is None  # too short to have a reference
+
+
 def test_a_dip_that_recovers_is_not_a_slide():
     rows = rows_of([0.5] * 10 + [0.3] * 10 + [0.6] * 10)
     assert below_start_step(rows) is None
