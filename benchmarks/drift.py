@@ -73,7 +73,8 @@ def below_start_step(rows: list[dict[str, str]], warmup: int = 10) -> int | None
     the first ``warmup`` trained steps until the end of the run (the training-side twin of
     "held-out reward below the warm start"); dates a slide that never drops ``--drop`` below
     its peak."""
-    raw = [(int(r["step"]), float(r["train/reward_mean"])) for r in rows if r.get("train/reward_mean")][:warmup]
+    raw = [(int(r["step"]), float(r["train/reward_mean"])) for r in rows if r.get("train/reward_mean")]
+    raw = raw[:warmup]
     if len(raw) < warmup:
         return None
     start, warm_end = statistics.fmean(x for _, x in raw), raw[-1][0]
