@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -27,6 +28,23 @@ def load(run: Path) -> list[dict[str, float]]:
 def series(rows: list[dict[str, float]], x: str, y: str) -> tuple[list[float], list[float]]:
     pts = sorted((r[x], r[y]) for r in rows if x in r and y in r)
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def posthoc_points(run: Path, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The post-hoc held-out curve (``heldout_curve.json``, written by ``benchmarks.modes`` /
+    ``benchmarks.drift`` runs, which train without inline evaluation) as eval rows, placed at
+    their training wall-clock; none when the run evaluated inline."""
+    path = run / "heldout_curve.json"
+    if any("eval/reward_mean" in r for r in rows) or not path.exists():
+        return []
+    points = json.loads(path.read_text()).get("points", [])
+    keys = ("eval/reward_mean", "eval/sampled_reward_mean")
+    return [
+        {"step": p["step"], "perf/wall_s": p["train_wall_s"], "perf/samples_total": p["samples"]}
+        | {k: p[k] for k in keys if k in p}
+        for p in points
+        if "train_wall_s" in p and "samples" in p
+    ]
 
 
 def render(run: Path, out: Path) -> Path:
@@ -49,6 +67,7 @@ def render(run: Path, out: Path) -> Path:
         if "eval/reward_mean" in r and "step" in r:
             r.setdefault("perf/wall_s", nearest(wall, r["step"]))
             r.setdefault("perf/samples_total", nearest(samples, r["step"]))
+    rows += posthoc_points(run, rows)
 
     fig, ax = plt.subplots(2, 5, figsize=(26, 8))
     a = ax[0][0]
@@ -61,7 +80,7 @@ def render(run: Path, out: Path) -> Path:
     a.set_xlabel("wall-clock s")
     a.set_title("reward vs wall-clock")
     top = a.twiny()
-    top.plot(*series(rows, "perf/samples_total", "eval/reward_mean"), alpha=0)
+    top.plot(*series(rows, "perf/samples_total", "train/reward_mean"), alpha=0)
     top.set_xlabel("trained samples")
     a.legend()
 

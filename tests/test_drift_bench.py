@@ -80,3 +80,33 @@ def test_analyze_run_names_the_rule_that_dated_the_collapse(tmp_path):
     healthy = analyze_run(write_run(tmp_path / "healthy", rows_of([0.5] * 30), 0.6), 0.39, 0.15, {})
     assert not healthy["collapsed"] and healthy["collapse_step"] is None and healthy["collapse_rule"] is None
     assert healthy["first_alarm"] is None and not healthy["false_alarm"]
+
+
+def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_evaluation(tmp_path):
+    from benchmarks.report import posthoc_points, render
+
+    run = write_run(tmp_path / "run", rows_of([0.4] * 5), 0.5)
+    points = [
+        {
+            "step": 0,
+            "train_wall_s": 0.0,
+            "samples": 0.0,
+            "eval/reward_mean": 0.99,
+            "eval/sampled_reward_mean": 0.38,
+        },
+        {
+            "step": 4,
+            "train_wall_s": 9.5,
+            "samples": 640.0,
+            "eval/reward_mean": 0.8,
+            "eval/sampled_reward_mean": 0.49,
+        },
+    ]
+    (run / "heldout_curve.json").write_text(json.dumps({"points": points}))
+    got = posthoc_points(run, [])
+    assert [(p["step"], p["perf/wall_s"], p["eval/sampled_reward_mean"]) for p in got] == [
+        (0, 0.0, 0.38),
+        (4, 9.5, 0.49),
+    ]
+    assert posthoc_points(run, [{"step": 4.0, "eval/reward_mean": 0.7}]) == []  # inline evaluation wins
+    assert render(run, run / "dashboard.png").stat().st_size > 0
