@@ -24,7 +24,8 @@ Definitions (per run):
   (``collapse_rule`` says which dated it: ``drop``, then ``stopped`` for a run that ended on
   non-finite losses, then ``below_start``);
 * lead time: collapse step minus the first alarm step (positive: the alarm came first);
-* false alarm: an alarm in a run that did not collapse.
+* false alarm: an alarm in a run that did not collapse and that no controller acted on (a
+  controlled run that did not collapse after acting on an alarm is counted as ``acted``).
 
 Runs are ``benchmarks.modes`` runs (same post-hoc held-out curve); writes ``result.json`` with
 the K x correction table (final reward mean and spread over seeds, collapse yes/no and step)
@@ -134,6 +135,7 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict,
         if c_step is None:
             rule = None
     alarm = replay(rows, lag, **detector)
+    acted = any(float(r.get("controller/notches") or 0) > 0 for r in rows)
     return {
         "final_sampled": final,
         "collapsed": collapsed,
@@ -141,7 +143,9 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict,
         "collapse_rule": rule,
         "first_alarm": alarm,
         "lead_steps": (c_step - alarm) if (c_step is not None and alarm is not None) else None,
-        "false_alarm": (not collapsed) and alarm is not None,
+        # a run the controller acted on did not collapse *because* of the alarm: not a false one
+        "acted": acted,
+        "false_alarm": None if acted else (not collapsed) and alarm is not None,
     }
 
 
@@ -176,11 +180,13 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
             "lead_steps": leads,
             "lead_steps_by_rule": {rule: [x for q, x in by_rule if q == rule] for rule, _ in by_rule},
             "missed_collapses": sum(r["collapsed"] and r["first_alarm"] is None for r in runs),
-            "false_alarms": sum(r["false_alarm"] for r in runs),
+            "false_alarms": sum(bool(r["false_alarm"]) for r in runs),
+            "acted": sum(r["acted"] for r in runs),
             "n": len(runs),
             "runs": runs,
         }
-    healthy = sum(c["n"] - c["collapsed"] for c in cells.values())
+    # runs that did not collapse and that no controller steered: where an alarm is a false one
+    healthy = sum(1 for c in cells.values() for r in c["runs"] if not r["collapsed"] and not r["acted"])
     return {
         "cells": cells,
         "detector": detector,

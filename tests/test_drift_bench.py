@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.drift import analyze_run, below_start_step, collapse_step
 
-FIELDS = ["step", "train/loss", "train/reward_mean", "train/reward_ema"]
+FIELDS = ["step", "train/loss", "train/reward_mean", "train/reward_ema", "controller/notches"]
 
 
 def rows_of(rewards: list[float]) -> list[dict[str, str]]:
@@ -79,7 +79,11 @@ def test_analyze_run_names_the_rule_that_dated_the_collapse(tmp_path):
     assert stopped["collapsed"] and stopped["collapse_rule"] == "stopped" and stopped["collapse_step"] == 11
     healthy = analyze_run(write_run(tmp_path / "healthy", rows_of([0.5] * 30), 0.6), 0.39, 0.15, {})
     assert not healthy["collapsed"] and healthy["collapse_step"] is None and healthy["collapse_rule"] is None
-    assert healthy["first_alarm"] is None and not healthy["false_alarm"]
+    assert healthy["first_alarm"] is None and not healthy["false_alarm"] and not healthy["acted"]
+    steered = rows_of([0.5] * 30)
+    steered[12]["controller/notches"] = "1"
+    out = analyze_run(write_run(tmp_path / "steered", steered, 0.6), 0.39, 0.15, {"threshold": 4.0})
+    assert out["acted"] and out["false_alarm"] is None  # whatever the replay says
 
 
 def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_evaluation(tmp_path):
