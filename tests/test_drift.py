@@ -323,7 +323,7 @@ def test_config_group_composes(tmp_path):
 
     cfg = compose(["callbacks/drift=controller", "recipe=async_grpo"])
     cb = build(cfg.callbacks.drift)
-    assert isinstance(cb, DriftCallback) and cb.actions == ["staleness", "lr", "truncate"]
+    assert isinstance(cb, DriftCallback) and cb.actions == ["staleness", "lr"]
     assert "drift" not in compose([]).callbacks  # opt-in
 
 
