@@ -15,7 +15,7 @@ from data.rollout.controller import RewardError, RolloutContext
 from data.rollout.partial import PartialRollout
 from data.rollout.prompts import PromptStream
 from data.rollout.selection import Fifo, Stratified
-from data.rollout.staleness import Admit, Downweight, Drop, Recompute
+from data.rollout.staleness import Admit, Downweight, Drop, Recompute, Throttle
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
 from modules.advantages import GroupAdvantage, RunningBaseline
@@ -177,7 +177,7 @@ def test_engine_death_surfaces_in_the_trainer():
     prompts_per_step=st.integers(1, 4),
     max_inflight=st.integers(1, 8),
     max_staleness=st.integers(0, 3),
-    policy=st.sampled_from(["drop", "admit", "downweight"]),
+    policy=st.sampled_from(["drop", "admit", "downweight", "throttle"]),
     inflight=st.sampled_from(["keep", "abort", "wait"]),
     concurrency=st.one_of(st.none(), st.integers(1, 6)),
     sync_every=st.integers(1, 3),
@@ -193,7 +193,9 @@ def test_streaming_invariants(
     concurrency,
     sync_every,
 ):
-    staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5)}[policy]
+    staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5), "throttle": Throttle()}[
+        policy
+    ]
     eng = SimEngine(max_concurrency=concurrency)
     capacity = max(prompts_per_step, max_inflight) + 2
     ctl = bind(
@@ -224,7 +226,7 @@ def test_streaming_invariants(
                 assert e.staleness <= max_staleness
         assert all(len(g) == group_size for g in groups.values()), "an incomplete group was trained"
         assert len(groups) == prompts_per_step
-    if policy == "admit":
+    if policy in ("admit", "throttle"):
         assert ctl.snapshot()["dropped"] == 0
 
 

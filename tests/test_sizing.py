@@ -277,3 +277,57 @@ def test_the_floor_and_the_cap_count_batches_per_version():
     out = simulate(ctl, SEED, steps=80, step_time=1.0, concurrency=64, sync_every=4)
     assert ctl._sizing.inflight == 64  # min(64, 8 x 4 x 2): the engine, not one batch's worth
     assert out["engine_utilisation"] > 0.9
+
+
+def test_throttle_never_starts_more_than_k_plus_one_batches_ahead():
+    from data.rollout.staleness import Throttle
+    from data.rollout.streaming import StreamingRollout
+    from tests.test_rollout_modes import SAMPLING, bind
+
+    eng = SimEngine()  # unlimited concurrency: only the throttle holds generation back
+    ctl = StreamingRollout(
+        4, 2, SAMPLING, max_inflight=100, max_staleness=1, staleness=Throttle(), buffer_capacity=400
+    )
+    bind(ctl, eng, [5, 50, 5, 5, 200, 5, 7, 9] * 40)
+    ctl.next_batch()  # starts generation: at most (K + 1) P groups outstanding at version 0
+    assert ctl.started_groups == (1 + 1) * 4  # one of version 0's two batches taken: no top-up
+    eng.update_weights({}, 1, inflight="keep")
+    trained = []
+    for _ in range(12):
+        trained += ctl.next_batch()
+        snap = ctl.snapshot()
+        assert snap["inflight_groups"] + snap["buffer"] / 2 <= (1 + 1) * 4  # the bound, issue side
+        eng.advance_to(eng.now + 3.0)
+        eng.update_weights({}, eng.version + 1, inflight="keep")
+    assert ctl.counters["dropped"] == 0
+    # the 200-token groups outlive K versions and are trained anyway, counted, not dropped
+    assert ctl.counters["over_bound"] > 0
+    assert max(e.staleness for e in trained) > 1
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        SEED,
+        [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)],
+        [(20, 0.99), (2000, 0.01)],
+    ],
+    ids=["seed", "lognormal", "bimodal"],
+)
+def test_throttled_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_not(workload):
+    auto = ("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=2")
+    b = bounds(workload, 32, 64, 5.0, max_tokens=384)
+    bound = b["pipeline_bound_samples_per_unit"]
+    out = simulate(
+        streaming(*auto, "rollout/staleness=throttle"), workload, steps=150, step_time=5.0, concurrency=64
+    )
+    ratio = out["samples_per_unit"] / bound
+    assert ratio >= 0.9 and out["dropped_groups"] == 0
+    assert out.get("bias/level_kl_trained_vs_issued", 0.0) < 1e-3  # the issued mix is trained
+    assert 0.9 * ratio * b["staleness_floor_at_bound"] <= out["staleness_mean"] <= 2.05
+    admit = simulate(
+        streaming(*auto, "rollout/staleness=admit"), workload, steps=150, step_time=5.0, concurrency=64
+    )
+    assert admit["samples_per_unit"] < 0.5 * out["samples_per_unit"]  # the trainer waits for due groups
+    drop = simulate(streaming(*auto), workload, steps=150, step_time=5.0, concurrency=64)
+    assert drop["dropped_groups"] > 0  # reaching K = 2 by dropping what outlives it

@@ -11,9 +11,16 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
   the stale one; it does **not** correct the state distribution (the tokens are still samples
   of the old policy), so the gradient stays biased. Bypass mode only: with
   ``algo.loss.anchor=decoupled`` every sample is already anchored so (rejected at start-up).
-* ``Admit``: AReaL-style admission control: never start a group that could not be consumed
+* ``Admit``: strict admission control: never start a group that could not be consumed
   within ``max_staleness`` versions, and make the trainer wait for groups that are due, so
-  nothing is ever too stale and nothing is dropped.
+  nothing is ever too stale and nothing is dropped. The wait is a barrier on the slowest
+  group of each version: on a long-tailed workload the trainer idles behind it.
+* ``Throttle``: the issue-side half of ``Admit`` alone, as AReaL runs it: a group starts only
+  while what is outstanding could be trained within ``max_staleness`` versions, the trainer
+  takes the first complete groups and never waits for due ones, and nothing is dropped. The
+  bound holds for the mean (the pipeline cannot run more than K versions ahead), not for every
+  group: one that generates for longer than K versions is trained at its staleness (the
+  correction sees it; ``rollout/over_bound`` counts them).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from modules.config_errors import check
 
 
 class StalenessPolicy(ABC):
-    admission_control = False
+    admission_control = False  # the trainer waits for groups that are due (Admit)
+    throttles = False  # no group starts that could not be trained within K versions
     drops = False
 
     @abstractmethod
@@ -60,7 +68,15 @@ class Recompute(StalenessPolicy):
 
 class Admit(StalenessPolicy):
     admission_control = True
+    throttles = True
 
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         # Cannot happen when the controller enforces admission; keep the data if it does.
         return group
+
+
+class Throttle(StalenessPolicy):
+    throttles = True
+
+    def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
+        return group  # trained at its staleness; the correction sees it

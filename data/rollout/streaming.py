@@ -125,6 +125,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             "expired",
             "filtered",
             "filter_fill",
+            "over_bound",
         )
         self.counters = dict.fromkeys(counted, 0)
 
@@ -158,14 +159,14 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
     # before Lightning restores a checkpoint and before the first weight sync.
 
     def _admission_open(self) -> bool:
-        if not self.admission_control:
+        if not self.staleness.throttles:
             return True
         # A group started now (version v) must be trained by version v + K. Each version
         # trains `batches_per_version` batches of P groups, and `taken` of this version's
         # batches are gone, so at most ((K + 1) * bpv - taken) * P groups may be outstanding.
         taken = self._taken_count if self._taken_at == self.ctx.engine.version else 0
         slots = (self.max_staleness + 1) * self.batches_per_version - taken
-        outstanding = len(self._groups) + len(self._buffer)
+        outstanding = len(self._groups) + len(self._buffer) / self._units_per_group
         return outstanding < slots * self.prompts_per_step
 
     def set_max_staleness(self, value: int) -> None:
@@ -347,6 +348,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             excess = version - r.start_version - self.max_staleness
             if excess > 0 and not self.admission_control:
                 r.exps = self.staleness.apply(r.exps, excess) or []  # 3) downweight / recompute
+                self.counters["over_bound"] += 1 if r.exps else 0
             for e in r.exps:
                 e.staleness = version - min(e.token_versions(), default=e.policy_version)
                 if e.weight != 1.0:
