@@ -25,19 +25,30 @@ and the two halves of a pipeline are measured one after the other, never concurr
     (``trainer.devices=1``); the experiences are the issued mix, in issue order, so a mode that
     trains a shorter mix (e.g. dropping stale long groups) has cheaper steps than this.
 
+(c) both at once (``--shared``): the engine generates as in (a) in a background thread of this
+    process while the module trains as in (b); each side's rate is taken over the same window.
+    On a machine where the engine and the trainer share CPU cores, memory bandwidth or the
+    trainer process's Python thread (the engine's output loop runs there), each side is slower
+    while the other runs.
+
 No pipeline of the two can train faster than ``bound_samples_per_s = min(gen, train)``. Weight
 syncs stall both sides in every mode; ``bound_with_sync_samples_per_s`` charges one sync per
-policy version on top (a tighter, still optimistic, bound). Prints one JSON object (last line).
+policy version on top (a tighter, still optimistic, bound). With (c),
+``shared_bound_samples_per_s`` is the best any schedule can do when overlapping slows each
+side to the rates of (c) (``shared_bound``: the time split between overlap and each side alone
+that balances the two). Prints one JSON object (last line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,22 +103,117 @@ def bound_key(cfg: DictConfig) -> str:
     return json.dumps(parts, sort_keys=True, default=str)
 
 
-# ---------------------------------------------------------------------------- (a) generation
-def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: int = 3) -> dict[str, Any]:
-    """Steady-state samples/s of the engine alone; returns the figures and the experiences."""
+def shared_bound(gen: float, train: float, gen_shared: float, train_shared: float) -> float:
+    """Most samples/s a pipeline can train when generation and training run at ``gen`` and
+    ``train`` alone and at ``gen_shared`` and ``train_shared`` while both run.
+
+    A schedule overlaps the two for a fraction f of the time and runs one side alone for the
+    rest; it trains min(f gen_shared + a gen, f train_shared + b train) with f + a + b = 1. The
+    optimum overlaps fully and spends the remaining time on the side that is short while both
+    run, just enough to balance them: with gen_shared <= train_shared,
+    X = train_shared gen / (gen + train_shared - gen_shared), which is gen with no slowdown
+    and never below gen_shared (symmetrically otherwise). Shared rates above the solo ones
+    (noise) are taken as the solo ones.
+    """
+    if min(gen, train, gen_shared, train_shared) <= 0:
+        raise ValueError("rates must be > 0")
+    gc, tc = min(gen_shared, gen), min(train_shared, train)
+    if gc <= tc:
+        return tc * gen / (gen + tc - gc)
+    return gc * train / (train + gc - tc)
+
+
+def _rollout_parts(cfg: DictConfig) -> tuple[Any, Any, Any, Any, Any]:
+    """The recipe's task, rollout controller (its request / reward / advantage helpers only),
+    engine (not started), tokenizer and prompt stream, as training builds them."""
     from hydra.utils import instantiate
     from transformers import AutoTokenizer
 
-    from data.rollout.controller import RolloutContext
     from data.rollout.prompts import PromptStream
-    from modules.policy import load_policy, named_weights
 
     task = instantiate(cfg.task)
-    controller = instantiate(cfg.rollout)  # only its request / reward / advantage helpers run
+    controller = instantiate(cfg.rollout)
     controller.configure_rewards(cfg.data.reward_errors, cfg.data.reward_timeout_s)  # as training
     engine = instantiate(cfg.engine)
     tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
     prompts = PromptStream(list(task.build("train", cfg.data.train_size)), seed=cfg.seed)
+    return task, controller, engine, tokenizer, prompts
+
+
+class BackgroundGeneration:
+    """(c): the engine generating the recipe's prompts at the recipe's concurrency, topped up as
+    each group completes, in a thread of this process, until the context exits."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.done_times: list[float] = []
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> BackgroundGeneration:
+        from hydra.utils import instantiate
+
+        from data.rollout.controller import RolloutContext
+
+        task, self.controller, self.engine, tokenizer, self.prompts = _rollout_parts(self.cfg)
+        self.engine.start()
+        self.controller.bind(
+            RolloutContext(
+                self.engine,
+                task,
+                tokenizer,
+                self.prompts,
+                instantiate(self.cfg.algo.advantage),
+                seed=self.cfg.seed,
+            )
+        )
+        self.max_groups = concurrency_groups(self.controller, self.engine.concurrency)
+        self._thread = threading.Thread(target=self._run, name="bound-generation", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        inflight: dict[Any, Any] = {}
+        open_groups: dict[int, int] = {}
+        try:
+            while True:
+                while not self._stop.is_set() and len(open_groups) < self.max_groups:
+                    started = self.controller.submit_group(self.prompts.next())
+                    open_groups[next(iter(started.values())).group_id] = 0
+                    inflight.update(started)
+                if not inflight:
+                    return
+                for fut in self.engine.wait_any(set(inflight)):
+                    p = inflight.pop(fut)
+                    self.controller.to_experience(fut.result(), p)  # rewards scored as in training
+                    self.done_times.append(time.perf_counter())
+                    open_groups[p.group_id] += 1
+                    if open_groups[p.group_id] == self.controller.group_size:
+                        del open_groups[p.group_id]
+        except BaseException as e:  # re-raised by __exit__
+            self._error = e
+
+    def samples_per_s(self, t0: float, t1: float) -> float:
+        return sum(t0 < t <= t1 for t in self.done_times) / (t1 - t0)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.engine.stall_timeout_s)
+        self.controller.close()
+        self.engine.shutdown()
+        if self._error is not None:
+            raise self._error
+
+
+# ---------------------------------------------------------------------------- (a) generation
+def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: int = 3) -> dict[str, Any]:
+    """Steady-state samples/s of the engine alone; returns the figures and the experiences."""
+    from hydra.utils import instantiate
+
+    from data.rollout.controller import RolloutContext
+    from modules.policy import load_policy, named_weights
+
+    task, controller, engine, tokenizer, prompts = _rollout_parts(cfg)
     max_groups = concurrency_groups(controller, engine.concurrency)
     g = controller.group_size
     engine.start()
@@ -186,9 +292,10 @@ def replay_batches(groups: list[list], prompts_per_step: int, n_batches: int) ->
 
 
 def measure_training(
-    cfg: DictConfig, groups: list[list], warmup_batches: int, batches: int
+    cfg: DictConfig, groups: list[list], warmup_batches: int, batches: int, shared: bool = False
 ) -> dict[str, Any]:
-    """Samples/s of the GRPO module's training steps on replayed experiences, no engine."""
+    """Samples/s of the GRPO module's training steps on replayed experiences, with no engine or
+    (``shared``) with the engine generating meanwhile (then also its samples/s over the window)."""
     import lightning as L
     import torch
     from hydra.utils import instantiate
@@ -231,7 +338,8 @@ def measure_training(
     clock = StepClock()
     timer = StepTimer()
     module = instantiate(cfg.module)
-    with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp, engine.pinning:
+    background = BackgroundGeneration(cfg) if shared else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bound-") as tmp, background, engine.pinning:
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         trainer = instantiate(
             cfg.trainer,
@@ -250,6 +358,9 @@ def measure_training(
     n = sum(clock.samples[w:])
     step_s = [b - a for a, b in zip(clock.ends[w - 1 :], clock.ends[w:])]
     lengths = [len(e.response_ids) for rb in rollout_batches[warmup_batches:] for grp in rb for e in grp]
+    if shared:
+        gen_rate = background.samples_per_s(clock.ends[w - 1], clock.ends[-1])
+        return {"samples_per_s": n / seconds, "generation_samples_per_s": gen_rate, "seconds": seconds}
     return {
         "warmup_batches": warmup_batches,
         "batches": batches,
@@ -278,6 +389,7 @@ def measure(
     gen_samples: int = 2048,
     train_warmup_batches: int = 1,
     train_batches: int = 8,
+    shared: bool = False,
 ) -> dict[str, Any]:
     if gen_warmup < 1 or gen_samples < 1 or train_warmup_batches < 1 or train_batches < 1:
         raise ValueError("warm-ups and measured counts must be >= 1")
@@ -289,6 +401,12 @@ def measure(
     train = measure_training(cfg, gen["groups"], train_warmup_batches, train_batches)
     g_rate, t_rate = gen["figures"]["samples_per_s"], train["samples_per_s"]
     bound = min(g_rate, t_rate)
+    both = None
+    if shared:
+        both = measure_training(cfg, gen["groups"], train_warmup_batches, train_batches, shared=True)
+        both["bound_samples_per_s"] = shared_bound(
+            g_rate, t_rate, both["generation_samples_per_s"], both["samples_per_s"]
+        )
     per_version = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size) * int(cfg.data.sync_every)
     sync_s = gen["weight_sync_s"] or 0.0
     return {
@@ -303,6 +421,9 @@ def measure(
         "bound_samples_per_s": bound,
         "limited_by": "generation" if g_rate <= t_rate else "training",
         "bound_with_sync_samples_per_s": 1.0 / (1.0 / bound + sync_s / per_version),
+        # (c): both sides' rates while both run, and the bound under that slowdown
+        "shared": both,
+        "shared_bound_samples_per_s": both["bound_samples_per_s"] if both else None,
     }
 
 
@@ -312,11 +433,17 @@ def main() -> None:
     parser.add_argument("--gen-samples", type=int, default=2048, help="responses in the timed window")
     parser.add_argument("--train-warmup-batches", type=int, default=1, help="untimed rollout batches")
     parser.add_argument("--train-batches", type=int, default=8, help="timed rollout batches of P x G")
+    parser.add_argument("--shared", action="store_true", help="(c): also measure both sides at once")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="train.py (Hydra) overrides, e.g. recipe=async_grpo")
     args = parser.parse_args()
     result = measure(
-        args.overrides, args.gen_warmup, args.gen_samples, args.train_warmup_batches, args.train_batches
+        args.overrides,
+        args.gen_warmup,
+        args.gen_samples,
+        args.train_warmup_batches,
+        args.train_batches,
+        args.shared,
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ idle fractions, weight-sync seconds, staleness, dropped groups, wall time, and:
 * ``ratio_to_bound``: samples/s over the measured bound of ``benchmarks.bound`` (generation
   alone and training alone on this machine, min of the two) for the recipe's config; recipes
   whose bound-relevant config is equal share one measurement (``bounds`` in the JSON).
+  With ``--bound-shared`` also ``ratio_to_shared_bound``: over the bound when overlapping
+  slows each side to its measured rate while both run (``benchmarks.bound --shared``).
 * ``ratio_to_sync``: samples/s over the reference recipe's mean samples/s.
 
 Prints one JSON object (last line), writes ``result.json``, ``modes.png`` (held-out reward vs
@@ -123,6 +125,11 @@ def main() -> None:
     parser.add_argument("--no-bound", action="store_true", help="skip the measured bound")
     parser.add_argument("--bound-gen-samples", type=int, default=2048)
     parser.add_argument("--bound-train-batches", type=int, default=8)
+    parser.add_argument(
+        "--bound-shared",
+        action="store_true",
+        help="also measure both sides at once (benchmarks.bound --shared)",
+    )
     parser.add_argument(
         "--prune-checkpoints",
         action="store_true",
@@ -273,6 +280,7 @@ def measure_bounds(
                 "benchmarks.bound",
                 f"--gen-samples={args.bound_gen_samples}",
                 f"--train-batches={args.bound_train_batches}",
+                *(["--shared"] if args.bound_shared else []),
                 *spec_overrides,
             ]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -517,6 +525,10 @@ def add_comparisons(
                 "trained_response_len_mean": b["training"]["response_len_mean"],
             }
             agg["ratio_to_bound"] = summarize([s["samples_per_s"] / b["bound_samples_per_s"] for s in runs])
+            if b.get("shared_bound_samples_per_s"):  # benchmarks.bound --shared
+                agg["bound"]["shared"] = b["shared"]
+                shared = b["shared_bound_samples_per_s"]
+                agg["ratio_to_shared_bound"] = summarize([s["samples_per_s"] / shared for s in runs])
         if targets and all("curve" in s for s in runs):
             ttr = {}
             for name, target in targets.items():
