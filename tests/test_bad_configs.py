@@ -79,6 +79,10 @@ BAD = [
         ["rollout=streaming", "rollout/staleness=admit", "data.sync_every_s=5"],
         "data.sync_every_s",
     ),
+    (
+        ["rollout=streaming", "rollout/staleness=throttle", "data.sync_every_s=5"],
+        "data.sync_every_s",
+    ),
     (["data.sync_every=0"], "data.sync_every"),
     (["data.train_size=0"], "data.train_size"),
     (["data.eval_size=-1"], "data.eval_size"),

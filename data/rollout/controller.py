@@ -72,6 +72,8 @@ class RolloutController:
     inflight = "keep"
     # True when the controller counts rollout batches per policy version itself (Admit).
     admission_control = False
+    # True when group starts are bounded by batches per version (Admit, Throttle).
+    counts_versions = False
     # Policy versions a trained group may lag (None: nothing is ever stale, the sync barrier).
     max_staleness: int | None = None
     # The trainer's version when it differs from the engine's (a delayed sync, sync mode only).

@@ -82,8 +82,8 @@ class RolloutDataModule(L.LightningDataModule):
         check(
             "data.sync_every_s",
             sync_every_s,
-            sync_every_s is None or not rollout.admission_control,
-            "null with rollout.staleness=Admit (admission control counts batches per version)",
+            sync_every_s is None or not rollout.counts_versions,
+            "null with rollout.staleness=Admit or Throttle (they count batches per version)",
         )
         rollout.check_advantage(advantage)
         rollout.configure_rewards(reward_errors, reward_timeout_s)

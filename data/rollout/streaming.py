@@ -93,6 +93,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
         self.admission_control = self.staleness.admission_control
+        self.counts_versions = self.staleness.throttles
         if self.admission_control:
             check(
                 "rollout.selection",
