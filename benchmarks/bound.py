@@ -5,7 +5,7 @@
     python -m benchmarks.bound --gen-samples 4096 --train-batches 16 recipe=partial_grpo
 
 The config is composed exactly as ``train.py`` composes it (``conf/train.yaml`` + overrides),
-and the two halves of a pipeline are measured one after the other, never concurrently:
+and the two halves of a pipeline are measured one after the other, then (``--shared``) at once:
 
 (a) generation only: the recipe's engine (pinned to ``engine.cpu_cores``; starting it pins
     this process to the other cores, as in training) generates the recipe's prompts with its
@@ -107,20 +107,26 @@ def shared_bound(gen: float, train: float, gen_shared: float, train_shared: floa
     """Most samples/s a pipeline can train when generation and training run at ``gen`` and
     ``train`` alone and at ``gen_shared`` and ``train_shared`` while both run.
 
-    A schedule overlaps the two for a fraction f of the time and runs one side alone for the
-    rest; it trains min(f gen_shared + a gen, f train_shared + b train) with f + a + b = 1. The
-    optimum overlaps fully and spends the remaining time on the side that is short while both
-    run, just enough to balance them: with gen_shared <= train_shared,
-    X = train_shared gen / (gen + train_shared - gen_shared), which is gen with no slowdown
-    and never below gen_shared (symmetrically otherwise). Shared rates above the solo ones
-    (noise) are taken as the solo ones.
+    A schedule overlaps the two for a fraction f of the time and runs one side alone for a and
+    the other for b; it trains min(f gen_shared + a gen, f train_shared + b train) with
+    f + a + b = 1. The achievable (generation, training) rates form the triangle with corners
+    (gen_shared, train_shared), (gen, 0) and (0, train), so the best balanced point lies on one
+    of the triangle's two edges from the overlap corner, or on the edge between the solo corners:
+    overlap fully and spend the rest on the side that is short while both run, just enough to
+    balance (with gen_shared <= train_shared: train_shared gen / (gen + train_shared -
+    gen_shared), which is gen with no slowdown), or alternate without overlapping
+    (gen train / (gen + train), better when overlapping slows the two badly: gen_shared / gen
+    + train_shared / train < 1). Shared rates above the solo ones (noise) are taken as the solo
+    ones.
     """
     if min(gen, train, gen_shared, train_shared) <= 0:
         raise ValueError("rates must be > 0")
     gc, tc = min(gen_shared, gen), min(train_shared, train)
     if gc <= tc:
-        return tc * gen / (gen + tc - gc)
-    return gc * train / (train + gc - tc)
+        overlap = tc * gen / (gen + tc - gc)
+    else:
+        overlap = gc * train / (train + gc - tc)
+    return max(overlap, gen * train / (gen + train))
 
 
 def _rollout_parts(cfg: DictConfig) -> tuple[Any, Any, Any, Any, Any]:
@@ -157,32 +163,29 @@ class BackgroundGeneration:
 
         task, self.controller, self.engine, tokenizer, self.prompts = _rollout_parts(self.cfg)
         self.engine.start()
-        self.controller.bind(
-            RolloutContext(
-                self.engine,
-                task,
-                tokenizer,
-                self.prompts,
-                instantiate(self.cfg.algo.advantage),
-                seed=self.cfg.seed,
+        try:
+            advantage = instantiate(self.cfg.algo.advantage)
+            self.controller.bind(
+                RolloutContext(self.engine, task, tokenizer, self.prompts, advantage, seed=self.cfg.seed)
             )
-        )
-        self.max_groups = concurrency_groups(self.controller, self.engine.concurrency)
-        self._thread = threading.Thread(target=self._run, name="bound-generation", daemon=True)
-        self._thread.start()
+            self.max_groups = concurrency_groups(self.controller, self.engine.concurrency)
+            self._thread = threading.Thread(target=self._run, name="bound-generation", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.controller.close()
+            self.engine.shutdown()
+            raise
         return self
 
     def _run(self) -> None:
         inflight: dict[Any, Any] = {}
         open_groups: dict[int, int] = {}
         try:
-            while True:
-                while not self._stop.is_set() and len(open_groups) < self.max_groups:
+            while not self._stop.is_set():
+                while len(open_groups) < self.max_groups:
                     started = self.controller.submit_group(self.prompts.next())
                     open_groups[next(iter(started.values())).group_id] = 0
                     inflight.update(started)
-                if not inflight:
-                    return
                 for fut in self.engine.wait_any(set(inflight)):
                     p = inflight.pop(fut)
                     self.controller.to_experience(fut.result(), p)  # rewards scored as in training
@@ -196,12 +199,14 @@ class BackgroundGeneration:
     def samples_per_s(self, t0: float, t1: float) -> float:
         return sum(t0 < t <= t1 for t in self.done_times) / (t1 - t0)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Requests still generating are not waited for: shutting the engine down ends them, and
+        # the thread's wait returns within one completion or the engine's health poll.
         self._stop.set()
-        self._thread.join(timeout=self.engine.stall_timeout_s)
+        self._thread.join(timeout=60)
         self.controller.close()
         self.engine.shutdown()
-        if self._error is not None:
+        if self._error is not None and exc_type is None:  # never mask the training's own error
             raise self._error
 
 

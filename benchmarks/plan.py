@@ -75,6 +75,7 @@ def candidates() -> list[Candidate]:
         out.append(Candidate(f"streaming K={k} drop", (*auto, "rollout.cancel_doomed=false")))
         out.append(Candidate(f"streaming K={k} drop + cancel", (*auto, "rollout.cancel_doomed=true")))
         out.append(Candidate(f"streaming K={k} admit", (*auto, "rollout/staleness=admit")))
+        out.append(Candidate(f"streaming K={k} throttle", (*auto, "rollout/staleness=throttle")))
         out.append(Candidate(f"streaming K={k} abort in-flight", (*auto, "rollout.inflight=abort")))
     return out
 

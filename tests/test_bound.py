@@ -32,16 +32,28 @@ def test_hand_values():
     # 9 f + 10 (1 - f) = 15 f  ->  f = 10 / 16, X = 150 / 16
     assert shared_bound(10.0, 20.0, 9.0, 15.0) == pytest.approx(150 / 16)
     assert shared_bound(20.0, 10.0, 15.0, 9.0) == pytest.approx(150 / 16)  # symmetric
+    # both slowed to 4 of 10: alternating (each alone half the time) trains 5
+    assert shared_bound(10.0, 10.0, 4.0, 4.0) == pytest.approx(5.0)
 
 
 @pytest.mark.parametrize(
-    "rates", [(10, 20, 9, 15), (60, 48, 54, 40), (100, 10, 30, 9), (7, 7, 3, 6), (5, 50, 4.5, 20)]
+    "rates",
+    [
+        (10, 20, 9, 15),
+        (60, 48, 54, 40),
+        (100, 10, 30, 9),
+        (7, 7, 3, 6),
+        (5, 50, 4.5, 20),
+        (10, 10, 4, 4),  # overlapping slows both badly: alternating is better
+        (10, 20, 3, 5),
+        (60, 48, 20, 20),
+    ],
 )
 def test_matches_the_best_schedule_by_brute_force(rates):
     g, t, gc, tc = map(float, rates)
     x = shared_bound(g, t, gc, tc)
     assert x == pytest.approx(brute_force(g, t, gc, tc), rel=5e-3)
-    assert min(gc, tc) - 1e-9 <= x <= min(g, t) + 1e-9
+    assert max(min(gc, tc), g * t / (g + t)) - 1e-9 <= x <= min(g, t) + 1e-9
 
 
 def test_noise_above_the_solo_rate_is_clipped_and_bad_rates_refused():

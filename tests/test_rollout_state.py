@@ -3,10 +3,12 @@ checkpoint, and an expired group's prompt is re-queued, not lost (virtual-clock 
 
 from __future__ import annotations
 
+import pytest
+
 from data.rollout.controller import RolloutContext
 from data.rollout.prompts import PromptStream
 from data.rollout.selection import Stratified
-from data.rollout.staleness import Admit, Drop
+from data.rollout.staleness import Admit, Drop, Throttle
 from data.rollout.streaming import StreamingRollout
 from modules.advantages import GroupAdvantage, RunningBaseline
 from modules.engine import SamplingConfig
@@ -60,6 +62,25 @@ def test_admission_counters_survive_a_checkpoint():
     b = bound(streaming(staleness=Admit()), SimEngine())
     b.load_state_dict(a.state_dict())
     assert (b._taken_at, b._taken_count) == (a._taken_at, a._taken_count) == (0, 1)
+
+
+@pytest.mark.parametrize("policy", [Admit, Throttle])
+def test_a_resume_mid_version_finishes_the_version_without_deadlock(policy):
+    # K = 0, two batches per version: a checkpoint after the first batch must resume with one
+    # batch left at this version, or admission stays closed (3 batches at one version > 2).
+    eng = SimEngine(max_concurrency=6)
+    a = bound(StreamingRollout(2, 2, SAMPLING, max_inflight=8, max_staleness=0, staleness=policy()), eng)
+    a.batches_per_version = 2
+    a.next_batch()
+    eng2 = SimEngine(max_concurrency=6)
+    b = bound(StreamingRollout(2, 2, SAMPLING, max_inflight=8, max_staleness=0, staleness=policy()), eng2)
+    b.batches_per_version = 2
+    b.load_state_dict(a.state_dict())
+    assert b.batches_taken_this_version() == 1  # the datamodule's sync count starts here
+    assert len(b.next_batch()) == 4  # the version's second batch
+    eng2.update_weights({}, 1, inflight="keep")  # where the datamodule now syncs
+    assert b.batches_taken_this_version() == 0
+    assert len(b.next_batch()) == 4 and b.counters["dropped"] == 0
 
 
 def test_running_baselines_survive_a_checkpoint():

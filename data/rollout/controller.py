@@ -338,6 +338,12 @@ class RolloutController:
         """Counts for tests and metrics (buffer, groups in flight, ...); none here."""
         return {}
 
+    def batches_taken_this_version(self) -> int:
+        """Rollout batches already taken at the engine's current version: nonzero only when a
+        checkpoint saved mid-version (``data.sync_every`` > 1) was restored, so the datamodule's
+        next sync comes where it would have (admission control counts on it)."""
+        return 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"next_group_id": self.next_group_id, "bias": self.bias.state_dict()}
 

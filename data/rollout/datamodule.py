@@ -169,7 +169,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _rollout_batches(self) -> Iterator[tuple[list[Experience], dict[str, float], bool]]:
         """Rank 0: (experiences, stats, sync due) for each rollout batch from the controller."""
-        since_sync, last_sync = 0, time.monotonic()
+        since_sync, last_sync = self.rollout.batches_taken_this_version(), time.monotonic()
         while True:
             t0 = time.perf_counter()
             exps = self.rollout.next_batch()
@@ -190,7 +190,7 @@ class RolloutDataModule(L.LightningDataModule):
                 self.sync_every_s is not None and time.monotonic() - last_sync >= self.sync_every_s
             )
             if due:
-                since_sync, last_sync = 0, time.monotonic()
+                since_sync, last_sync = self.rollout.batches_taken_this_version(), time.monotonic()
             yield exps, stats, due
 
     def _share(

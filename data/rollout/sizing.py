@@ -11,24 +11,34 @@ otherwise keep 64 groups generating). ``rollout.buffer_capacity=auto``: at most 
 ``P * s * (K + 1)`` groups outstanding (generating or ready), what can be trained before the oldest
 exceeds the bound.
 
-Rate matching (with ``max_inflight=auto``) moves the outstanding target between one batch
-(``P`` groups) and that capacity after every batch the trainer takes:
+Rate matching (with ``max_inflight=auto``) sets the outstanding target from measured rates,
+by Little's law: to have a batch ready whenever the trainer asks, about ``lambda x L`` groups
+must be generating, where ``lambda`` is the rate the trainer takes groups (groups per second,
+an exponential average over takes) and ``L`` the mean time a group takes from its start to
+its last response (over the last ``max(4 P, 32)`` groups), plus one batch (``P``) ready. The
+target is ``ceil(lambda L) + P`` within [``P``, the capacity]:
 
-* the trainer had to wait for it: generation is the bottleneck, one notch (``ceil(P / 4)``
-  groups) more;
-* it did not wait and at least a notch of groups is still ready after it: generation
-  outpaces training, one notch less. Groups started early would only wait in the buffer and
-  grow stale (dropped, or trained further off-policy).
+* a trainer-bound pipeline (generation outpaces training) keeps little more than what
+  generates during one step, so groups do not wait in the buffer and grow stale;
+* a generation-bound one finds ``lambda`` = the generation rate, so the target is what is
+  generating plus a batch: it rises until the engine's concurrency (the in-flight ceiling)
+  stops it;
+* unlike a rule that reacts to the trainer's waits, it is not misled by waits whose cause is
+  not a generation shortage (groups dropped as stale: more in flight only makes more of them
+  stale).
 
-It starts at the in-flight ceiling + one batch and is not checkpointed (a resumed run starts
-there again). Integers for both fields keep the fixed behaviour (``buffer_capacity`` then bounds generating + ready groups, as before). The target is
-logged as ``rollout/outstanding_target``.
+Until a take and ``min(P, 8)`` groups are measured the target stays where it starts: the
+in-flight ceiling + one batch. The measurements are not checkpointed (a resumed run measures
+again). Integers for both fields keep the fixed behaviour (``buffer_capacity`` then bounds
+generating + ready groups, as before). The target is logged as ``rollout/outstanding_target``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -39,7 +49,9 @@ class Sizing:
     low: int
     high: int
     adaptive: bool
-    notch: int
+    rate: float | None = None  # groups the trainer takes per second (exponential average)
+    latencies: deque = field(default_factory=lambda: deque(maxlen=32))  # group start -> done, s
+    last_take: float | None = None
 
     @classmethod
     def of(cls, ctl: Any, concurrency: int | None) -> Sizing:
@@ -54,13 +66,28 @@ class Sizing:
         high = inflight + trainable if ctl.buffer_capacity == "auto" else int(ctl.buffer_capacity)
         high = max(high, p)
         start = min(high, inflight + p) if auto else high
-        return cls(inflight, start, min(p, high), high, auto, max(1, math.ceil(p / 4)))
+        window = deque(maxlen=max(4 * p, 32))
+        return cls(inflight, start, min(p, high), high, auto, latencies=window)
 
-    def after_take(self, waited: bool, ready_left: float) -> None:
-        """Rate matching after the trainer took a batch (``ready_left``: groups still ready)."""
+    def adopt(self, old: Sizing) -> None:
+        """Keep ``old``'s measurements and target (within the new bounds) after a resize."""
+        self.rate, self.last_take = old.rate, old.last_take
+        self.latencies.extend(old.latencies)
+        self.outstanding = max(self.low, min(old.outstanding, self.high))
+
+    def observe(self, latency_s: float) -> None:
+        """A group completed ``latency_s`` after it started."""
+        self.latencies.append(latency_s)
+
+    def after_take(self, groups: int, now: float) -> None:
+        """Rate matching after the trainer took ``groups`` groups at ``now`` (engine clock)."""
         if not self.adaptive:
             return
-        if waited:
-            self.outstanding = min(self.high, self.outstanding + self.notch)
-        elif ready_left >= self.notch:
-            self.outstanding = max(self.low, self.outstanding - self.notch)
+        if self.last_take is not None and now > self.last_take:
+            inst = groups / (now - self.last_take)
+            self.rate = inst if self.rate is None else 0.7 * self.rate + 0.3 * inst
+        self.last_take = now
+        if self.rate is None or len(self.latencies) < min(self.low, 8):
+            return
+        target = math.ceil(self.rate * statistics.fmean(self.latencies)) + self.low
+        self.outstanding = max(self.low, min(target, self.high))

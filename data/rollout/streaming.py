@@ -45,6 +45,7 @@ from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
 class _Group:
     row: dict
     start_version: int
+    started_at: float  # engine clock
     exps: list[Experience] = field(default_factory=list)
 
 
@@ -167,16 +168,22 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         # batches are gone, so at most ((K + 1) * bpv - taken) * P groups may be outstanding.
         taken = self._taken_count if self._taken_at == self.ctx.engine.version else 0
         slots = (self.max_staleness + 1) * self.batches_per_version - taken
-        outstanding = len(self._groups) + len(self._buffer) / self._units_per_group
-        return outstanding < slots * self.prompts_per_step
+        return self._outstanding() < slots * self.prompts_per_step
+
+    def _outstanding(self) -> float:
+        """Groups generating or ready (a group partly released by a running baseline: its share)."""
+        if self._units_per_group == 1:
+            return len(self._groups) + len(self._buffer)
+        generating = sum(self.group_size - len(g.exps) for g in self._groups.values())
+        return (generating + len(self._buffer)) / self.group_size
 
     def set_max_staleness(self, value: int) -> None:
         """A new bound resizes what may be outstanding (``P * (K + 1)`` of it is the bound's)."""
         self.max_staleness = value
         if self.ctx is not None:
-            outstanding = self._sizing.outstanding
+            old = self._sizing
             self._sizing = Sizing.of(self, self.ctx.engine.concurrency)
-            self._sizing.outstanding = max(self._sizing.low, min(outstanding, self._sizing.high))
+            self._sizing.adopt(old)
 
     def _target_inflight(self) -> int:
         return self._sizing.inflight
@@ -187,7 +194,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             return
         while (
             len(self._groups) < self._target_inflight()
-            and len(self._groups) + len(self._buffer) / self._units_per_group < self._sizing.outstanding
+            and self._outstanding() < self._sizing.outstanding
             and self._admission_open()
         ):
             self._start_group()
@@ -195,7 +202,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
     def _start_group(self) -> None:
         row = self.ctx.prompts.next()
         gid = self.next_group_id
-        self._groups[gid] = _Group(row, self.ctx.engine.version)
+        self._groups[gid] = _Group(row, self.ctx.engine.version, self.ctx.engine.clock())
         self.started_groups += 1
         for fut, p in self.submit_group(row).items():
             self._track(fut, p)
@@ -256,6 +263,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                     self._replace_refused()
                 elif len(group.exps) == self.group_size:
                     del self._groups[p.group_id]
+                    self._sizing.observe(self.ctx.engine.clock() - group.started_at)
                     exps = self.finish_group(group.exps)
                     exps[0].extras["row"] = group.row  # lets a checkpoint re-queue its prompt
                     oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
@@ -274,6 +282,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self._buffer.append(Ready(gid, [exp], oldest, time.time(), group.row.get("level")))
         if len(group.exps) == self.group_size:
             del self._groups[gid]
+            self._sizing.observe(self.ctx.engine.clock() - group.started_at)
 
     # ------------------------------------------------------------------ consumer side
     def next_batch(self) -> list[Experience]:
@@ -281,18 +290,16 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         deadline = time.monotonic() + self.wait_timeout_s
         with self._cv:
             self._start_iteration()
-            waited = False
             while True:
                 if self._error is not None:
                     raise self._error
                 batch = self._take()
                 if batch is not None:
                     self._refused_since_take = 0
-                    self._sizing.after_take(waited, len(self._buffer) / self._units_per_group)
+                    self._sizing.after_take(self.prompts_per_step, engine.clock())
                     self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()
                     return batch
-                waited = True
                 self._top_up()
                 engine.wait_on(self._cv)
                 if time.monotonic() > deadline:

@@ -23,6 +23,10 @@ class StreamingCheckpoint:
                 **self.counters,
             }
 
+    def batches_taken_this_version(self) -> int:
+        with self._cv:
+            return self._taken_count if self._taken_at == self.ctx.engine.version else 0
+
     def outstanding_prompts(self) -> list[int]:
         """Row indexes of groups generating or buffered (oldest first), for checkpoints.
 

@@ -153,6 +153,9 @@ class SimEngine:
             self.advance()
         return {f for f in pending if f.done()}
 
+    def clock(self) -> float:
+        return self.now
+
     def wait_on(self, cv: threading.Condition) -> None:
         self.advance()  # completion callbacks run synchronously, under the caller's lock
 

@@ -128,6 +128,10 @@ class Engine(Protocol):
     def stats(self) -> dict[str, float]:
         """Engine-side metrics (``perf/engine_idle_frac``, ``perf/tokens_per_s``) since start."""
 
+    def clock(self) -> float:
+        """Seconds on the engine's clock (monotonic; the simulator's virtual time), for rates
+        and latencies measured against it."""
+
 
 class WeightTransfer(Protocol):
     """How weights reach the engine: ``shm_transfer`` (any device) or ``nccl_transfer`` (GPUs).

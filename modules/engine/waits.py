@@ -22,6 +22,9 @@ class HealthCheckedWaits:
     def check_health(self) -> None:
         raise NotImplementedError
 
+    def clock(self) -> float:
+        return time.monotonic()
+
     def wait_result(self, fut: cf.Future, timeout: float | None = None) -> Any:
         """``fut.result()`` that checks engine health while waiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
