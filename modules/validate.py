@@ -189,7 +189,7 @@ def _validate_rl(cfg: DictConfig) -> None:
         "rollout.staleness",
         staleness.rsplit(".", 1)[-1],
         not (staleness.endswith("Recompute") and algo.loss.get("anchor") == "decoupled"),
-        "drop, downweight or admit with algo.loss.anchor=decoupled (decoupled PPO already "
+        "drop, downweight, admit or throttle with algo.loss.anchor=decoupled (decoupled PPO already "
         "anchors every sample at the current policy: Recompute would change nothing)",
     )
     corr = algo.get("correction") or {}

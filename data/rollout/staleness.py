@@ -17,10 +17,11 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
   group of each version: on a long-tailed workload the trainer idles behind it.
 * ``Throttle``: the issue-side half of ``Admit`` alone, as AReaL runs it: a group starts only
   while what is outstanding could be trained within ``max_staleness`` versions, the trainer
-  takes the first complete groups and never waits for due ones, and nothing is dropped. The
-  bound holds for the mean (the pipeline cannot run more than K versions ahead), not for every
-  group: one that generates for longer than K versions is trained at its staleness (the
-  correction sees it; ``rollout/over_bound`` counts them).
+  takes its batch by the selection rule (FIFO: the first complete groups) and never waits for
+  due ones, and nothing is dropped. Generation never runs more than K versions ahead of the
+  trainer, so most groups are trained within K; one that generates for longer than K
+  versions is trained at its staleness (the correction sees it; ``rollout/over_bound`` counts
+  them).
 """
 
 from __future__ import annotations
