@@ -34,9 +34,11 @@ and the two halves of a pipeline are measured one after the other, then (``--sha
 No pipeline of the two can train faster than ``bound_samples_per_s = min(gen, train)``. Weight
 syncs stall both sides in every mode; ``bound_with_sync_samples_per_s`` charges one sync per
 policy version on top (a tighter, still optimistic, bound). With (c),
-``shared_bound_samples_per_s`` is the best any schedule can do when overlapping slows each
-side to the rates of (c) (``shared_bound``: the time split between overlap and each side alone
-that balances the two). Prints one JSON object (last line).
+``shared_estimate_samples_per_s`` is the best any schedule (overlapping, or one side alone)
+could do if every overlap slowed both sides as much as (c) does (``best_schedule_rate``). (c)
+runs the engine at full load; a pipeline that loads it less interferes less and can exceed the
+estimate, so it is a measure of the interference, not a bound. Prints one JSON object (last
+line).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def bound_key(cfg: DictConfig) -> str:
     return json.dumps(parts, sort_keys=True, default=str)
 
 
-def shared_bound(gen: float, train: float, gen_shared: float, train_shared: float) -> float:
+def best_schedule_rate(gen: float, train: float, gen_shared: float, train_shared: float) -> float:
     """Most samples/s a pipeline can train when generation and training run at ``gen`` and
     ``train`` alone and at ``gen_shared`` and ``train_shared`` while both run.
 
@@ -409,7 +411,7 @@ def measure(
     both = None
     if shared:
         both = measure_training(cfg, gen["groups"], train_warmup_batches, train_batches, shared=True)
-        both["bound_samples_per_s"] = shared_bound(
+        both["estimate_samples_per_s"] = best_schedule_rate(
             g_rate, t_rate, both["generation_samples_per_s"], both["samples_per_s"]
         )
     per_version = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size) * int(cfg.data.sync_every)
@@ -426,9 +428,9 @@ def measure(
         "bound_samples_per_s": bound,
         "limited_by": "generation" if g_rate <= t_rate else "training",
         "bound_with_sync_samples_per_s": 1.0 / (1.0 / bound + sync_s / per_version),
-        # (c): both sides' rates while both run, and the bound under that slowdown
+        # (c): both sides' rates while both run, and the best schedule at that slowdown
         "shared": both,
-        "shared_bound_samples_per_s": both["bound_samples_per_s"] if both else None,
+        "shared_estimate_samples_per_s": both["estimate_samples_per_s"] if both else None,
     }
 
 
