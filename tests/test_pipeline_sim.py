@@ -114,9 +114,7 @@ def test_a_dropping_config_is_also_measured_against_the_mix_it_trains():
     from benchmarks.pipeline import ratios
 
     lat = [(10, 0.9), (100, 0.1)]
-    ctl = controller(
-        "streaming", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=2"
-    )
+    ctl = controller("streaming", "rollout/staleness=drop", "rollout.max_staleness=2")
     out = simulate(ctl, lat, steps=100, step_time=5.0, concurrency=64)
     r = ratios(out, lat, 32, 64, 5.0, 384)
     # it drops the long groups: its trained mix is shorter, so its own bound is higher

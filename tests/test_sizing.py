@@ -108,12 +108,17 @@ def test_auto_reaches_the_pipeline_bound_where_fixed_defaults_do_not():
 
 def test_trainer_bound_workload_shrinks_what_is_in_flight():
     # training takes 200 units per step, a batch generates in ~20: keep little in flight
-    ctl = streaming("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=4")
+    ctl = streaming("rollout/staleness=drop", "rollout.max_staleness=4")
     out = run(ctl, latencies=[(10, 1.0)], steps=40, step_time=200.0)
     assert ctl._sizing.outstanding <= ctl._sizing.low + 2  # about what generates in one step
     # the same ceilings held fixed keep everything full and train 4 versions behind
     full = run(
-        streaming("rollout.max_inflight=64", "rollout.buffer_capacity=224", "rollout.max_staleness=4"),
+        streaming(
+            "rollout/staleness=drop",
+            "rollout.max_inflight=64",
+            "rollout.buffer_capacity=224",
+            "rollout.max_staleness=4",
+        ),
         latencies=[(10, 1.0)],
         steps=40,
         step_time=200.0,
@@ -123,7 +128,7 @@ def test_trainer_bound_workload_shrinks_what_is_in_flight():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_cancelling_doomed_groups_wastes_less_engine_time(k):
-    common = ("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", f"rollout.max_staleness={k}")
+    common = ("rollout/staleness=drop", f"rollout.max_staleness={k}")
     keep = run(streaming(*common, "rollout.cancel_doomed=false"))
     ctl = streaming(*common, "rollout.cancel_doomed=true")
     cancel = run(ctl)
@@ -138,7 +143,12 @@ def test_a_group_is_cancelled_only_once_it_cannot_be_trained():
     from modules.advantages import GroupAdvantage
     from modules.engine.sim import CharTokenizer, SimTask
 
-    ctl = streaming("rollout.max_staleness=1", "rollout.cancel_doomed=true", "rollout.max_inflight=4")
+    ctl = streaming(
+        "rollout/staleness=drop",
+        "rollout.max_staleness=1",
+        "rollout.cancel_doomed=true",
+        "rollout.max_inflight=4",
+    )
     eng = SimEngine(max_concurrency=64)
     task = SimTask([100] * 50)
     ctl.bind(RolloutContext(eng, task, CharTokenizer(), PromptStream(task.rows, seed=0), GroupAdvantage()))
@@ -341,5 +351,7 @@ def test_throttled_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_
         streaming(*auto, "rollout/staleness=admit"), workload, steps=150, step_time=5.0, concurrency=64
     )
     assert admit["samples_per_unit"] < 0.5 * out["samples_per_unit"]  # the trainer waits for due groups
-    drop = simulate(streaming(*auto), workload, steps=150, step_time=5.0, concurrency=64)
+    drop = simulate(
+        streaming(*auto, "rollout/staleness=drop"), workload, steps=150, step_time=5.0, concurrency=64
+    )
     assert drop["dropped_groups"] > 0  # reaching K = 2 by dropping what outlives it
