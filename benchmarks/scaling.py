@@ -340,6 +340,7 @@ def mode_overrides(max_staleness: int) -> dict[str, list[str]]:
         "partial": ["rollout=partial", "rollout.over_provision=auto"],
         f"streaming K={max_staleness}": [
             "rollout=streaming",
+            "rollout/staleness=drop",
             "rollout.max_inflight=auto",
             "rollout.buffer_capacity=auto",
             f"rollout.max_staleness={max_staleness}",

@@ -336,22 +336,19 @@ def test_throttle_never_starts_more_than_k_plus_one_batches_ahead():
     ],
     ids=["seed", "lognormal", "bimodal"],
 )
-def test_throttled_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_not(workload):
-    auto = ("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=2")
+def test_shipped_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_not(workload):
+    # the shipped config as is (auto sizing, throttle, K = 2): only the workload changes
     b = bounds(workload, 32, 64, 5.0, max_tokens=384)
     bound = b["pipeline_bound_samples_per_unit"]
-    out = simulate(
-        streaming(*auto, "rollout/staleness=throttle"), workload, steps=150, step_time=5.0, concurrency=64
-    )
+    out = simulate(streaming(), workload, steps=150, step_time=5.0, concurrency=64)
     ratio = out["samples_per_unit"] / bound
     assert ratio >= 0.9 and out["dropped_groups"] == 0
     assert out.get("bias/level_kl_trained_vs_issued", 0.0) < 1e-3  # the issued mix is trained
     assert 0.9 * ratio * b["staleness_floor_at_bound"] <= out["staleness_mean"] <= 2.05
-    admit = simulate(
-        streaming(*auto, "rollout/staleness=admit"), workload, steps=150, step_time=5.0, concurrency=64
-    )
+    admit = simulate(streaming("rollout/staleness=admit"), workload, steps=150, step_time=5.0, concurrency=64)
     assert admit["samples_per_unit"] < 0.5 * out["samples_per_unit"]  # the trainer waits for due groups
-    drop = simulate(
-        streaming(*auto, "rollout/staleness=drop"), workload, steps=150, step_time=5.0, concurrency=64
-    )
+    drop = simulate(streaming("rollout/staleness=drop"), workload, steps=150, step_time=5.0, concurrency=64)
     assert drop["dropped_groups"] > 0  # reaching K = 2 by dropping what outlives it
+    old = streaming("rollout/staleness=drop", "rollout.max_inflight=16", "rollout.buffer_capacity=32")
+    before = simulate(old, workload, steps=150, step_time=5.0, concurrency=64)  # the old defaults
+    assert before["samples_per_unit"] < 0.15 * bound
