@@ -13,10 +13,12 @@ exceeds the bound.
 
 Rate matching (with ``max_inflight=auto``) sets the outstanding target from measured rates,
 by Little's law: to have a batch ready whenever the trainer asks, about ``lambda x L`` groups
-must be generating, where ``lambda`` is the rate the trainer takes groups (groups per second,
-an exponential average over takes) and ``L`` the mean time a group takes from its start to
-its last response (over the last ``max(4 P, 32)`` groups), plus one batch (``P``) ready. The
-target is ``ceil(lambda L) + P`` within [``P``, the capacity]:
+must be generating, where ``lambda`` is the rate groups leave generation (the trainer's batches
+plus the groups dropped or refused meanwhile: counting only the trained ones would under-size
+a dropping policy by its drop rate; groups per second, an exponential average over takes) and
+``L`` the mean time a group takes from its start to its last response (over the last
+``max(4 P, 32)`` groups), plus one batch (``P``) ready. The target is ``ceil(lambda L) + P``
+within [``P``, the capacity]:
 
 * a trainer-bound pipeline (generation outpaces training) keeps little more than what
   generates during one step, so groups do not wait in the buffer and grow stale;
@@ -49,7 +51,7 @@ class Sizing:
     low: int
     high: int
     adaptive: bool
-    rate: float | None = None  # groups the trainer takes per second (exponential average)
+    rate: float | None = None  # groups leaving generation per second (exponential average)
     latencies: deque = field(default_factory=lambda: deque(maxlen=32))  # group start -> done, s
     last_take: float | None = None
 
@@ -80,7 +82,8 @@ class Sizing:
         self.latencies.append(latency_s)
 
     def after_take(self, groups: int, now: float) -> None:
-        """Rate matching after the trainer took ``groups`` groups at ``now`` (engine clock)."""
+        """Rate matching after the trainer took a batch at ``now`` (engine clock); ``groups`` left
+        generation since the last batch (this batch, and those dropped or refused meanwhile)."""
         if not self.adaptive:
             return
         if self.last_take is not None and now > self.last_take:

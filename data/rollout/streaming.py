@@ -1,18 +1,16 @@
 """Rollout without a global barrier: streaming (continuous generation, a buffer of groups).
 
-``StreamingRollout`` keeps up to ``max_inflight`` groups generating at all times. Each
-response is scored as it finishes; a group is released to the buffer only when all G of its
-responses are in (a long response delays only its own group), or, with a running-baseline
-advantage (``algo/advantage=running``), each response on its own. ``next_batch`` returns as
+``StreamingRollout`` keeps up to ``max_inflight`` groups generating. Each response is scored
+as it finishes; a group enters the buffer when all G of its responses are in (a long response
+delays only its own group), or, with ``algo/advantage=running``, each response on its own. ``next_batch`` returns as
 soon as the batch selection rule (``selection.py``: FIFO, stratified, admission) has
 ``prompts_per_step`` groups; groups whose staleness exceeds ``max_staleness`` go through the
 staleness policy (``staleness.py``). ``PartialRollout`` (``partial.py``) is the
 over-provisioned, non-strict synchronous variant built on this class.
 
-What happens to requests still generating when weights change is ``inflight``:
-``keep`` (in-flight update: tokens after the switch come from the new weights, spans record
-which), ``abort`` (resubmit prompt + partial response; logprobs and versions stitched), or
-``wait`` (the update waits for them: a generation boundary).
+Requests generating at a weight change (``inflight``): ``keep`` (in-flight update, spans record
+which tokens came from which weights), ``abort`` (resubmit prompt + partial response, stitched)
+or ``wait`` (a generation boundary).
 
 Completion callbacks run on the engine's callback thread (``Engine.on_done``: never the
 event loop that drives generation, so a slow reward cannot stall the engine or a weight
@@ -117,7 +115,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self.started_groups = 0
         self._taken_at = -1  # engine version at which the last batch was taken
         self._taken_count = 0  # batches taken at that version
-        self._refused_since_take = 0  # uninformative groups refused since the last batch
+        self._refused_since_take = self._wasted = 0  # refused since the last batch; dropped + refused
         counted = (
             "dropped",
             "cancelled",
@@ -296,7 +294,9 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 batch = self._take()
                 if batch is not None:
                     self._refused_since_take = 0
-                    self._sizing.after_take(self.prompts_per_step, engine.clock())
+                    wasted = self.counters["dropped"] + self.counters["filtered"]  # left generation too
+                    self._sizing.after_take(self.prompts_per_step + wasted - self._wasted, engine.clock())
+                    self._wasted = wasted
                     self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()
                     return batch
