@@ -16,6 +16,8 @@ from modules.engine.types import SamplingConfig
 from tests.conftest import compose
 
 SEED = [(10, 0.9), (100, 0.1)]
+LOGNORMAL = [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)]
+WORKLOADS = [SEED, LOGNORMAL, [(20, 0.99), (2000, 0.01)]]  # seed, lognormal (sigma 1.5), bimodal
 
 
 def streaming(*overrides: str):
@@ -250,15 +252,7 @@ def test_auto_over_provisioning_is_the_engine_in_groups_plus_one_batch():
     assert ctl._sizing.inflight == 96  # what one iteration tops the engine up to
 
 
-@pytest.mark.parametrize(
-    "workload",
-    [
-        SEED,
-        [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)],
-        [(20, 0.99), (2000, 0.01)],
-    ],
-    ids=["seed", "lognormal", "bimodal"],
-)
+@pytest.mark.parametrize("workload", WORKLOADS, ids=["seed", "lognormal", "bimodal"])
 def test_auto_partial_reaches_the_bound_unbiased_at_the_littles_law_staleness(workload):
     out = simulate(partial("rollout.over_provision=auto"), workload, steps=150, step_time=5.0, concurrency=64)
     b = bounds(workload, 32, 64, 5.0, max_tokens=384)
@@ -327,15 +321,7 @@ def test_throttle_never_starts_more_than_k_plus_one_batches_ahead():
     assert max(e.staleness for e in trained) > 1
 
 
-@pytest.mark.parametrize(
-    "workload",
-    [
-        SEED,
-        [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)],
-        [(20, 0.99), (2000, 0.01)],
-    ],
-    ids=["seed", "lognormal", "bimodal"],
-)
+@pytest.mark.parametrize("workload", WORKLOADS, ids=["seed", "lognormal", "bimodal"])
 def test_shipped_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_not(workload):
     # the shipped config as is (auto sizing, throttle, K = 2): only the workload changes
     b = bounds(workload, 32, 64, 5.0, max_tokens=384)
