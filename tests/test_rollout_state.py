@@ -108,3 +108,24 @@ def test_an_expired_group_is_requeued_not_lost():
     reissued += trained
     front = [ctl.ctx.prompts.rows[i]["id"] for i in ctl.ctx.prompts._front]
     assert row["id"] in reissued + front
+
+
+@pytest.mark.parametrize("taken_before", [0, 1])
+def test_the_datamodule_syncs_every_sync_every_batches_also_after_a_resume_mid_version(taken_before):
+    from data.rollout.datamodule import RolloutDataModule
+
+    eng = SimEngine(max_concurrency=6)
+    ctl = bound(StreamingRollout(2, 2, SAMPLING, max_inflight=8, max_staleness=1, staleness=Throttle()), eng)
+    ctl.batches_per_version = 3
+    for _ in range(taken_before):  # as a checkpoint saved after this version's first batch
+        ctl.next_batch()
+    dm = RolloutDataModule(SimTask(LENGTHS), eng, ctl, GroupAdvantage(), sync_every=3)
+    stream = dm._rollout_batches()
+    due = []
+    for _ in range(9 - taken_before):
+        _, _, sync = next(stream)
+        due.append(sync)
+        if sync:  # what the weight-sync callback does after the step
+            eng.update_weights({}, eng.version + 1, inflight="keep")
+    # the version's remaining batches, then every third: never a sync per batch
+    assert due == ([False, False, True] * 3)[taken_before:]

@@ -190,7 +190,7 @@ class RolloutDataModule(L.LightningDataModule):
                 self.sync_every_s is not None and time.monotonic() - last_sync >= self.sync_every_s
             )
             if due:
-                since_sync, last_sync = self.rollout.batches_taken_this_version(), time.monotonic()
+                since_sync, last_sync = 0, time.monotonic()
             yield exps, stats, due
 
     def _share(
