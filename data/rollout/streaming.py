@@ -159,7 +159,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
     # before Lightning restores a checkpoint and before the first weight sync.
 
     def _admission_open(self) -> bool:
-        if not self.staleness.throttles:
+        if not self.counts_versions:
             return True
         # A group started now (version v) must be trained by version v + K. Each version
         # trains `batches_per_version` batches of P groups, and `taken` of this version's
