@@ -120,10 +120,8 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict,
     a collapse dated at its last logged step."""
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
     summary_path = run_dir / "eval_summary.json"
-    if summary_path.exists():
-        final = json.loads(summary_path.read_text())["last"].get("eval/sampled_reward_mean", float("nan"))
-    else:
-        final = float("nan")
+    last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else {}
+    final = last.get("eval/sampled_reward_mean", float("nan"))
     collapsed = not final >= start_reward
     c_step, rule = None, None
     if collapsed:
@@ -146,7 +144,29 @@ def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict,
         # a run the controller acted on did not collapse *because* of the alarm: not a false one
         "acted": acted,
         "false_alarm": None if acted else (not collapsed) and alarm is not None,
+        "greedy": last.get("eval/reward_mean", float("nan")),
+        "diagnostics": diagnostics(rows, lag),
     }
+
+
+DIAGNOSTICS = ("is/ess_frac", "is/zeroed_frac", "train/kl_behavior", "train/clip_frac", "train/grad_norm")
+
+
+def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
+    """Medians of the estimator's diagnostics over the trained steps at the full lag (the
+    delayed sync's ramp, staleness < K, excluded), and the largest importance weight seen."""
+    steady = [
+        r
+        for r in rows
+        if r.get("step") and r.get("train/loss") and float(r.get("rollout/staleness_max") or 0.0) >= lag
+    ]
+    out = {}
+    for key in DIAGNOSTICS:
+        values = [float(r[key]) for r in steady if r.get(key)]
+        out[key] = statistics.median(values) if values else float("nan")
+    weights = [float(r["is/weight_max"]) for r in steady if r.get("is/weight_max")]
+    out["is/weight_max"] = max(weights) if weights else float("nan")
+    return out
 
 
 def start_reward(out: Path) -> float:
@@ -175,6 +195,10 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
         cells[spec] = {
             "final_sampled_mean": statistics.fmean(finals),
             "final_sampled_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "greedy_mean": statistics.fmean(r["greedy"] for r in runs),
+            "diagnostics": {
+                key: statistics.fmean(r["diagnostics"][key] for r in runs) for key in runs[0]["diagnostics"]
+            },
             "collapsed": sum(r["collapsed"] for r in runs),
             "collapse_steps": [r["collapse_step"] for r in runs if r["collapsed"]],
             "lead_steps": leads,
@@ -209,6 +233,62 @@ def short(spec: str) -> str:
         else:
             out.append(part)
     return " ".join(o for o in out if o)
+
+
+def markdown(cells: dict[str, dict], start: float) -> str:
+    """The lag x correction table of a ``table`` result as Markdown: final held-out sampled
+    reward (mean +- sd over seeds, n), collapses (count and dated steps); then the estimator's
+    diagnostics per cell (means over seeds of the per-run medians at full lag)."""
+    grid: dict[tuple[str, str], dict] = {}
+    for spec, cell in cells.items():
+        parts = dict(p.partition("=")[::2] for p in spec.partition(":")[2].split(","))
+        row = f"K = {parts.get('callbacks.weight_sync.lag', '0')}"
+        row += " (bf16 engine)" if parts.get("engine.dtype") == "bfloat16" else ""
+        row += " + controller" if parts.get("callbacks/drift") == "controller" else ""
+        grid[(row, parts["algo/correction"])] = cell
+    rows = list(dict.fromkeys(r for r, _ in grid))
+    cols = [
+        c
+        for c in dict.fromkeys([*CORRECTIONS, *MISMATCH, *(c for _, c in grid)])
+        if any(c == k for _, k in grid)
+    ]
+    lines = [
+        f"Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the warm start ({start:.3f})",
+        "",
+        "| | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for row in rows:
+        out = []
+        for col in cols:
+            cell = grid.get((row, col))
+            if cell is None:
+                out.append("")
+                continue
+            text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({cell['n']})"
+            if cell["collapsed"]:
+                steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
+                text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
+            out.append(text)
+        lines.append(f"| {row} | " + " | ".join(out) + " |")
+    lines += [
+        "",
+        "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / behaviour KL / clip fraction",
+        "",
+        "| | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for row in rows:
+        out = []
+        for col in cols:
+            d = grid[(row, col)]["diagnostics"] if (row, col) in grid else None
+            out.append(
+                f"{d['is/ess_frac']:.2f} / {d['train/kl_behavior']:.3f} / {d['train/clip_frac']:.2f}"
+                if d
+                else ""
+            )
+        lines.append(f"| {row} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
 
 
 TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
@@ -256,6 +336,7 @@ def main() -> None:
     parser.add_argument(
         "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
     )
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
@@ -295,7 +376,7 @@ def main() -> None:
     }
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
-    print(json.dumps(result))
+    print(markdown(result["cells"], start_reward(out)) if args.markdown else json.dumps(result))
 
 
 if __name__ == "__main__":

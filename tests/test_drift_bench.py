@@ -114,3 +114,37 @@ def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_eva
     ]
     assert posthoc_points(run, [{"step": 4.0, "eval/reward_mean": 0.7}]) == []  # inline evaluation wins
     assert render(run, run / "dashboard.png").stat().st_size > 0
+
+
+def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
+    from benchmarks.drift import diagnostics
+
+    rows = rows_of([0.5] * 6)
+    for i, r in enumerate(rows):  # a delayed sync's ramp: staleness min(step, 2)
+        r.update(
+            {"rollout/staleness_max": str(min(i, 2)), "is/ess_frac": str(0.1 * i), "is/weight_max": str(i)}
+        )
+    rows[1]["is/weight_max"] = "99"  # inside the ramp: not the steady state's
+    d = diagnostics(rows, lag=2)
+    assert abs(d["is/ess_frac"] - 0.35) < 1e-12  # median of steps 2..5: 0.2, 0.3, 0.4, 0.5
+    assert d["is/weight_max"] == 5.0
+    assert d["train/kl_behavior"] != d["train/kl_behavior"]  # not logged: nan, not 0
+
+
+def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
+    from benchmarks.drift import cell_spec, markdown, table
+    from benchmarks.modes import run_dir_name
+
+    out = tmp_path / "grid"
+    (out / "initial_eval").mkdir(parents=True)
+    (out / "initial_eval" / "x.json").write_text(json.dumps({"metrics": {"eval/sampled_reward_mean": 0.4}}))
+    specs = [cell_spec(0, "none"), cell_spec(4, "tis")]
+    finals = {specs[0]: [0.6, 0.7], specs[1]: [0.3, 0.5]}
+    for spec in specs:
+        for seed, final in enumerate(finals[spec]):
+            write_run(out / run_dir_name(spec) / f"seed{seed}", rows_of([0.5] * 20), final)
+    result = table(out, specs, [0, 1], 0.15, {"threshold": 4.0})
+    md = markdown(result["cells"], 0.4).splitlines()
+    assert md[2] == "| | none | tis |"
+    assert md[4].startswith("| K = 0 | 0.650 +- 0.071 (2) |") and md[4].endswith("|  |")
+    assert "| K = 4 |  | 0.400 +- 0.141 (2), **1 collapsed**" in md[5]
