@@ -189,13 +189,17 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
             runs.append({"seed": seed, **outcome})
         if not runs:
             continue
-        finals = [r["final_sampled"] for r in runs]
+        # a run that stopped early (non-finite losses) has no final evaluation: counted as a
+        # collapse, left out of the mean
+        finals = [r["final_sampled"] for r in runs if math.isfinite(r["final_sampled"])] or [math.nan]
+        greedy = [r["greedy"] for r in runs if math.isfinite(r["greedy"])] or [math.nan]
         leads = [r["lead_steps"] for r in runs if r["lead_steps"] is not None]
         by_rule = [(r["collapse_rule"], r["lead_steps"]) for r in runs if r["lead_steps"] is not None]
         cells[spec] = {
             "final_sampled_mean": statistics.fmean(finals),
             "final_sampled_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "greedy_mean": statistics.fmean(r["greedy"] for r in runs),
+            "greedy_mean": statistics.fmean(greedy),
+            "unevaluated": sum(not math.isfinite(r["final_sampled"]) for r in runs),
             "diagnostics": {
                 key: statistics.fmean(r["diagnostics"][key] for r in runs) for key in runs[0]["diagnostics"]
             },
@@ -265,7 +269,10 @@ def markdown(cells: dict[str, dict], start: float) -> str:
             if cell is None:
                 out.append("")
                 continue
-            text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({cell['n']})"
+            n = cell["n"] - cell["unevaluated"]
+            text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({n})" if n else "-"
+            if cell["unevaluated"]:
+                text += f", {cell['unevaluated']} stopped"
             if cell["collapsed"]:
                 steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
                 text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")

@@ -143,8 +143,9 @@ def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
     for spec in specs:
         for seed, final in enumerate(finals[spec]):
             write_run(out / run_dir_name(spec) / f"seed{seed}", rows_of([0.5] * 20), final)
-    result = table(out, specs, [0, 1], 0.15, {"threshold": 4.0})
+    write_run(out / run_dir_name(specs[1]) / "seed2", rows_of([0.5] * 12), None)  # stopped early
+    result = table(out, specs, [0, 1, 2], 0.15, {"threshold": 4.0})
     md = markdown(result["cells"], 0.4).splitlines()
     assert md[2] == "| | none | tis |"
     assert md[4].startswith("| K = 0 | 0.650 +- 0.071 (2) |") and md[4].endswith("|  |")
-    assert "| K = 4 |  | 0.400 +- 0.141 (2), **1 collapsed**" in md[5]
+    assert "| K = 4 |  | 0.400 +- 0.141 (2), 1 stopped, **2 collapsed**" in md[5]
