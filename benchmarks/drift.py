@@ -5,6 +5,7 @@
     python -m benchmarks.drift --mismatch                          # bf16 engine, float32 trainer
     python -m benchmarks.drift --controller                        # + callbacks/drift=controller
     python -m benchmarks.drift --analyze outputs/bench/drift       # re-read finished runs
+    python -m benchmarks.drift --resume --out outputs/bench/drift  # finish an interrupted grid
     python -m benchmarks.drift --replay outputs/bench/modes5/*/seed*   # the detector on any runs
 
 Each cell is ``sync_grpo`` with a delayed weight sync (``callbacks.weight_sync.lag=K``: every
@@ -223,6 +224,23 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
     }
 
 
+def pending_seeds(out: Path, spec: str, seeds: list[int]) -> list[int]:
+    """The seeds of ``spec`` with no finished run under ``out`` (finished: its post-hoc held-out
+    curve was written, the last thing a run does); a partial directory left by a killed run is
+    removed, so that the rerun starts clean."""
+    import shutil
+
+    todo = []
+    for seed in seeds:
+        run_dir = out / run_dir_name(spec) / f"seed{seed}"
+        if (run_dir / "heldout_curve.json").exists():
+            continue
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        todo.append(seed)
+    return todo
+
+
 def short(spec: str) -> str:
     """'K=8 tis decoupled +controller' for a cell spec."""
     out = []
@@ -344,6 +362,9 @@ def main() -> None:
         "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
+    parser.add_argument(
+        "--resume", action="store_true", help="skip the cells' finished seeds under --out, rerun the rest"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
@@ -362,9 +383,12 @@ def main() -> None:
     out = args.analyze or args.out
     if not args.analyze:
         for spec in specs:
+            seeds = pending_seeds(out, spec, args.seeds) if args.resume else args.seeds
+            if not seeds:
+                continue
             run_recipe(
                 spec,
-                args.seeds,
+                seeds,
                 out,
                 args.overrides,
                 args.eval_every,

@@ -149,3 +149,15 @@ def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
     assert md[2] == "| | none | tis |"
     assert md[4].startswith("| K = 0 | 0.650 +- 0.071 (2) |") and md[4].endswith("|  |")
     assert "| K = 4 |  | 0.400 +- 0.141 (2), 1 stopped, **2 collapsed**" in md[5]
+
+
+def test_resume_skips_finished_seeds_and_clears_a_killed_one(tmp_path):
+    from benchmarks.drift import cell_spec, pending_seeds
+    from benchmarks.modes import run_dir_name
+
+    spec = cell_spec(2, "tis")
+    finished = write_run(tmp_path / run_dir_name(spec) / "seed0", rows_of([0.5] * 5), 0.6)
+    (finished / "heldout_curve.json").write_text("{}")
+    killed = write_run(tmp_path / run_dir_name(spec) / "seed1", rows_of([0.5] * 5), None)
+    assert pending_seeds(tmp_path, spec, [0, 1, 2]) == [1, 2]
+    assert finished.exists() and not killed.exists()
