@@ -257,6 +257,23 @@ def short(spec: str) -> str:
     return " ".join(o for o in out if o)
 
 
+def reward_text(cell: dict) -> str:
+    """One cell of the reward table: mean +- sd (n evaluated), stopped runs, collapses."""
+    n = cell["n"] - cell["unevaluated"]
+    text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({n})" if n else "-"
+    if cell["unevaluated"]:
+        text += f", {cell['unevaluated']} stopped"
+    if cell["collapsed"]:
+        steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
+        text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
+    return text
+
+
+def diagnostics_text(cell: dict) -> str:
+    d = cell["diagnostics"]
+    return f"{d['is/ess_frac']:.2f} / {d['train/kl_behavior']:.3f} / {d['train/clip_frac']:.2f}"
+
+
 def markdown(cells: dict[str, dict], start: float) -> str:
     """The lag x correction table of a ``table`` result as Markdown: final held-out sampled
     reward (mean +- sd over seeds, n), collapses (count and dated steps); then the estimator's
@@ -269,51 +286,21 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         row += " + controller" if parts.get("callbacks/drift") == "controller" else ""
         grid[(row, parts["algo/correction"])] = cell
     rows = list(dict.fromkeys(r for r, _ in grid))
-    cols = [
-        c
-        for c in dict.fromkeys([*CORRECTIONS, *MISMATCH, *(c for _, c in grid)])
-        if any(c == k for _, k in grid)
-    ]
-    lines = [
-        f"Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the warm start ({start:.3f})",
-        "",
-        "| | " + " | ".join(cols) + " |",
-        "|---" * (len(cols) + 1) + "|",
-    ]
-    for row in rows:
-        out = []
-        for col in cols:
-            cell = grid.get((row, col))
-            if cell is None:
-                out.append("")
-                continue
-            n = cell["n"] - cell["unevaluated"]
-            text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({n})" if n else "-"
-            if cell["unevaluated"]:
-                text += f", {cell['unevaluated']} stopped"
-            if cell["collapsed"]:
-                steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
-                text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
-            out.append(text)
-        lines.append(f"| {row} | " + " | ".join(out) + " |")
-    lines += [
-        "",
-        "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / behaviour KL / clip fraction",
-        "",
-        "| | " + " | ".join(cols) + " |",
-        "|---" * (len(cols) + 1) + "|",
-    ]
-    for row in rows:
-        out = []
-        for col in cols:
-            d = grid[(row, col)]["diagnostics"] if (row, col) in grid else None
-            out.append(
-                f"{d['is/ess_frac']:.2f} / {d['train/kl_behavior']:.3f} / {d['train/clip_frac']:.2f}"
-                if d
-                else ""
-            )
-        lines.append(f"| {row} | " + " | ".join(out) + " |")
-    return "\n".join(lines)
+    used = {c for _, c in grid}
+    cols = [c for c in dict.fromkeys([*CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
+    titles = {
+        reward_text: "Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the "
+        f"warm start ({start:.3f})",
+        diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
+        "behaviour KL / clip fraction",
+    }
+    lines: list[str] = []
+    for fmt, title in titles.items():
+        lines += ["", title, "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for row in rows:
+            out = [fmt(grid[(row, col)]) if (row, col) in grid else "" for col in cols]
+            lines.append(f"| {row} | " + " | ".join(out) + " |")
+    return "\n".join(lines[1:])
 
 
 TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
