@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -109,11 +110,13 @@ def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int |
     return None
 
 
+def spec_overrides(spec: str) -> dict[str, str]:
+    """A cell spec's overrides, key -> value, in order ('sync_grpo:a=1,b=2' -> {a: 1, b: 2})."""
+    return dict(part.partition("=")[::2] for part in spec.partition(":")[2].split(","))
+
+
 def lag_of(spec: str) -> int:
-    for part in spec.partition(":")[2].split(","):
-        if part.startswith("callbacks.weight_sync.lag="):
-            return int(part.split("=", 1)[1])
-    return 0
+    return int(spec_overrides(spec).get("callbacks.weight_sync.lag", 0))
 
 
 def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict, lag: int = 0) -> dict:
@@ -180,13 +183,14 @@ def start_reward(out: Path) -> float:
 
 def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict) -> dict:
     cells = {}
+    start = start_reward(out) if any((out / run_dir_name(s)).exists() for s in specs) else math.nan
     for spec in specs:
         runs = []
         for seed in seeds:
             run_dir = out / run_dir_name(spec) / f"seed{seed}"
             if not (run_dir / "metrics.csv").exists():
                 continue
-            outcome = analyze_run(run_dir, start_reward(out), drop, detector, lag_of(spec))
+            outcome = analyze_run(run_dir, start, drop, detector, lag_of(spec))
             runs.append({"seed": seed, **outcome})
         if not runs:
             continue
@@ -228,8 +232,6 @@ def pending_seeds(out: Path, spec: str, seeds: list[int]) -> list[int]:
     """The seeds of ``spec`` with no finished run under ``out`` (finished: its post-hoc held-out
     curve was written, the last thing a run does); a partial directory left by a killed run is
     removed, so that the rerun starts clean."""
-    import shutil
-
     todo = []
     for seed in seeds:
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
@@ -244,8 +246,7 @@ def pending_seeds(out: Path, spec: str, seeds: list[int]) -> list[int]:
 def short(spec: str) -> str:
     """'K=8 tis decoupled +controller' for a cell spec."""
     out = []
-    for part in spec.partition(":")[2].split(","):
-        key, _, value = part.partition("=")
+    for key, value in spec_overrides(spec).items():
         if key == "callbacks.weight_sync.lag":
             out.append(f"K={value}")
         elif key in ("algo/correction", "algo.loss.anchor"):
@@ -253,7 +254,7 @@ def short(spec: str) -> str:
         elif key == "callbacks/drift":
             out.append("+controller" if value == "controller" else "")
         else:
-            out.append(part)
+            out.append(f"{key}={value}")
     return " ".join(o for o in out if o)
 
 
@@ -280,7 +281,7 @@ def markdown(cells: dict[str, dict], start: float) -> str:
     diagnostics per cell (means over seeds of the per-run medians at full lag)."""
     grid: dict[tuple[str, str], dict] = {}
     for spec, cell in cells.items():
-        parts = dict(p.partition("=")[::2] for p in spec.partition(":")[2].split(","))
+        parts = spec_overrides(spec)
         row = f"K = {parts.get('callbacks.weight_sync.lag', '0')}"
         row += " (bf16 engine)" if parts.get("engine.dtype") == "bfloat16" else ""
         row += " + controller" if parts.get("callbacks/drift") == "controller" else ""
