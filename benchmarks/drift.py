@@ -6,6 +6,7 @@
     python -m benchmarks.drift --controller                        # + callbacks/drift=controller
     python -m benchmarks.drift --analyze outputs/bench/drift       # re-read finished runs
     python -m benchmarks.drift --resume --out outputs/bench/drift  # finish an interrupted grid
+    python -m benchmarks.drift --resume --store benchmarks/results/drift_grid_3e-3.jsonl ...  # across sessions
     python -m benchmarks.drift --replay outputs/bench/modes5/*/seed*   # the detector on any runs
 
 Each cell is ``sync_grpo`` with a delayed weight sync (``callbacks.weight_sync.lag=K``: every
@@ -42,6 +43,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from benchmarks import run_store
 from benchmarks.modes import read_metrics, run_dir_name, run_recipe
 from modules.drift import DriftDetector
 
@@ -120,17 +122,32 @@ def lag_of(spec: str) -> int:
 
 
 def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict, lag: int = 0) -> dict:
-    """One run's outcome. A run without ``eval_summary.json`` stopped early (non-finite losses):
-    a collapse dated at its last logged step."""
+    """One run directory's outcome (see ``outcome``)."""
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
     summary_path = run_dir / "eval_summary.json"
-    last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else {}
+    last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else None
+    return outcome(rows, last, start_reward, drop, detector, lag)
+
+
+def outcome(
+    rows: list[dict[str, str]],
+    last: dict | None,
+    start_reward: float,
+    drop: float,
+    detector: dict,
+    lag: int = 0,
+) -> dict:
+    """One run's outcome from its metrics rows and final held-out evaluation. A run with no
+    final evaluation (``last`` None) stopped early (non-finite losses): a collapse dated at its
+    last logged step."""
+    stopped = last is None
+    last = last or {}
     final = last.get("eval/sampled_reward_mean", float("nan"))
     collapsed = not final >= start_reward
     c_step, rule = None, None
     if collapsed:
         c_step, rule = collapse_step(rows, drop), "drop"
-        if c_step is None and not summary_path.exists():
+        if c_step is None and stopped:
             c_step, rule = max((int(r["step"]) for r in rows if r.get("step")), default=0), "stopped"
         if c_step is None:
             c_step, rule = below_start_step(rows), "below_start"
@@ -173,25 +190,41 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
     return out
 
 
-def start_reward(out: Path) -> float:
-    """The warm start's held-out sampled reward (the shared initial evaluation)."""
+def start_reward(out: Path, stored: dict | None = None) -> float:
+    """The warm start's held-out sampled reward: the shared initial evaluation under ``out``
+    and the one every stored run recorded, which must agree (a rebuilt warm start that differs
+    would make the runs incomparable); NaN with neither."""
+    starts = {rec["start_sampled"] for rec in (stored or {}).values()}
     cached = sorted((out / "initial_eval").glob("*.json"))
-    if not cached:
-        raise SystemExit(f"no initial evaluation under {out / 'initial_eval'}")
-    return json.loads(cached[0].read_text())["metrics"]["eval/sampled_reward_mean"]
+    if cached:
+        starts.add(json.loads(cached[0].read_text())["metrics"]["eval/sampled_reward_mean"])
+    if len(starts) > 1:
+        raise SystemExit(
+            f"runs from different warm starts (held-out sampled {sorted(starts)}): not comparable"
+        )
+    return starts.pop() if starts else math.nan
 
 
-def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict) -> dict:
+def table(
+    out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict, stored: dict | None = None
+) -> dict:
+    """The cells' outcomes from the run directories under ``out`` and, for runs not there, the
+    ``stored`` records (``benchmarks.run_store.load``)."""
+    stored = stored or {}
     cells = {}
-    start = start_reward(out) if any((out / run_dir_name(s)).exists() for s in specs) else math.nan
+    start = start_reward(out, stored)
     for spec in specs:
         runs = []
         for seed in seeds:
             run_dir = out / run_dir_name(spec) / f"seed{seed}"
-            if not (run_dir / "metrics.csv").exists():
+            if (run_dir / "metrics.csv").exists():
+                result = analyze_run(run_dir, start, drop, detector, lag_of(spec))
+            elif (spec, seed) in stored:
+                rec = stored[(spec, seed)]
+                result = outcome(rec["rows"], rec["last"], start, drop, detector, lag_of(spec))
+            else:
                 continue
-            outcome = analyze_run(run_dir, start, drop, detector, lag_of(spec))
-            runs.append({"seed": seed, **outcome})
+            runs.append({"seed": seed, **result})
         if not runs:
             continue
         # a run that stopped early (non-finite losses) has no final evaluation: counted as a
@@ -228,19 +261,35 @@ def table(out: Path, specs: list[str], seeds: list[int], drop: float, detector: 
     }
 
 
-def pending_seeds(out: Path, spec: str, seeds: list[int]) -> list[int]:
+def pending_seeds(out: Path, spec: str, seeds: list[int], stored: dict | None = None) -> list[int]:
     """The seeds of ``spec`` with no finished run under ``out`` (finished: its post-hoc held-out
-    curve was written, the last thing a run does); a partial directory left by a killed run is
-    removed, so that the rerun starts clean."""
+    curve was written, the last thing a run does) nor in the ``stored`` records; a partial
+    directory left by a killed run is removed, so that the rerun starts clean."""
     todo = []
     for seed in seeds:
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
-        if (run_dir / "heldout_curve.json").exists():
+        if (run_dir / "heldout_curve.json").exists() or (spec, seed) in (stored or {}):
             continue
         if run_dir.exists():
             shutil.rmtree(run_dir)
         todo.append(seed)
     return todo
+
+
+def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict) -> None:
+    """Append ``spec``'s runs that just finished to the store: those with a held-out curve, and
+    those that stopped on non-finite losses (an outcome of the experiment); a run that failed
+    otherwise (an engine crash, a kill) is not stored, so ``--resume`` runs it again."""
+    for result in results:
+        seed = result["seed"]
+        run_dir = out / run_dir_name(spec) / f"seed{seed}"
+        finished = (run_dir / "heldout_curve.json").exists()
+        diverged = result.get("failed") and "non-finite" in result.get("error", "")
+        if (spec, seed) in stored or not (finished or diverged):
+            continue
+        rec = run_store.record(run_dir, spec, seed, start_reward(out), None if finished else result["error"])
+        run_store.append(store, rec)
+        stored[(spec, seed)] = rec
 
 
 def short(spec: str) -> str:
@@ -307,16 +356,17 @@ def markdown(cells: dict[str, dict], start: float) -> str:
 TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
 
 
-def plot_trajectories(runs: dict[str, Path], path: Path) -> None:
-    """One line per run for each diagnostic over training steps (log scale for the KL)."""
+def plot_trajectories(runs: dict[str, list[dict[str, str]]], path: Path) -> None:
+    """One line per run (label -> metrics rows) for each diagnostic over training steps (log
+    scale for the KL)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(TRAJECTORY_KEYS), figsize=(4.2 * len(TRAJECTORY_KEYS), 3.6))
-    for label, run_dir in runs.items():
-        rows = [r for r in read_metrics(run_dir) if r.get("step") and r.get("train/loss")]
+    for label, rows in runs.items():
+        rows = [r for r in rows if r.get("step") and r.get("train/loss")]
         for ax, key in zip(axes, TRAJECTORY_KEYS):
             pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
             ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], label=label, lw=1)
@@ -354,6 +404,12 @@ def main() -> None:
         "--resume", action="store_true", help="skip the cells' finished seeds under --out, rerun the rest"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        help="a committed JSONL of finished runs (benchmarks/run_store.py): appended to as runs "
+        "finish, skipped by --resume, read by --analyze with the run directories",
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
     ctl = args.controller
@@ -369,33 +425,39 @@ def main() -> None:
         print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
         return
     out = args.analyze or args.out
+    stored = run_store.load(args.store) if args.store else {}
     if not args.analyze:
         for spec in specs:
-            seeds = pending_seeds(out, spec, args.seeds) if args.resume else args.seeds
+            seeds = pending_seeds(out, spec, args.seeds, stored) if args.resume else args.seeds
             if not seeds:
                 continue
-            run_recipe(
-                spec,
-                seeds,
-                out,
-                args.overrides,
-                args.eval_every,
-                prune_checkpoints=True,
-                keep_going=True,
-            )
+            for seed in seeds:  # one at a time: each run is stored as soon as it ends
+                results = run_recipe(
+                    spec,
+                    [seed],
+                    out,
+                    args.overrides,
+                    args.eval_every,
+                    prune_checkpoints=True,
+                    keep_going=True,
+                )
+                if args.store:
+                    archive(out, spec, results, args.store, stored)
     detector = {"threshold": args.threshold, "patience": args.patience}
-    result = table(out, specs, args.seeds, args.drop, detector)
+    result = table(out, specs, args.seeds, args.drop, detector, stored)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
-    runs = {
-        f"{short(spec)} s{seed}": out / run_dir_name(spec) / f"seed{seed}"
-        for spec in specs
-        for seed in args.seeds
-        if (out / run_dir_name(spec) / f"seed{seed}" / "metrics.csv").exists()
-    }
+    runs = {}
+    for spec in specs:
+        for seed in args.seeds:
+            run_dir = out / run_dir_name(spec) / f"seed{seed}"
+            if (run_dir / "metrics.csv").exists():
+                runs[f"{short(spec)} s{seed}"] = read_metrics(run_dir)
+            elif (spec, seed) in stored:
+                runs[f"{short(spec)} s{seed}"] = stored[(spec, seed)]["rows"]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
-    print(markdown(result["cells"], start_reward(out)) if args.markdown else json.dumps(result))
+    print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))
 
 
 if __name__ == "__main__":

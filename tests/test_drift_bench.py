@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import shutil
 from pathlib import Path
+
+import pytest
 
 from benchmarks.drift import analyze_run, below_start_step, collapse_step
 
@@ -30,7 +34,8 @@ def rows_of(rewards: list[float]) -> list[dict[str, str]]:
 def write_run(run_dir: Path, rows: list[dict[str, str]], final: float | None) -> Path:
     run_dir.mkdir(parents=True)
     with open(run_dir / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        extra = [k for r in rows for k in r if k not in FIELDS]
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys([*FIELDS, *extra])))
         writer.writeheader()
         writer.writerows(rows)
     if final is not None:
@@ -161,3 +166,66 @@ def test_resume_skips_finished_seeds_and_clears_a_killed_one(tmp_path):
     killed = write_run(tmp_path / run_dir_name(spec) / "seed1", rows_of([0.5] * 5), None)
     assert pending_seeds(tmp_path, spec, [0, 1, 2]) == [1, 2]
     assert finished.exists() and not killed.exists()
+
+
+def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
+    """The committed store (benchmarks/run_store.py) stands in for a run directory a new
+    checkout no longer has: the same outcome, the same table cell, and --resume skips it."""
+    from benchmarks import run_store
+    from benchmarks.drift import archive, cell_spec, pending_seeds, table
+    from benchmarks.modes import run_dir_name
+
+    out, store = tmp_path / "grid", tmp_path / "store.jsonl"
+    (out / "initial_eval").mkdir(parents=True)
+    (out / "initial_eval" / "x.json").write_text(json.dumps({"metrics": {"eval/sampled_reward_mean": 0.4}}))
+    spec = cell_spec(1, "tis")
+    rows = rows_of([0.5] * 20 + [0.0] * 20)
+    for r in rows:
+        r["perf/samples_per_s"], r["rollout/staleness_max"] = "3.5", "1"
+    for seed, final in [(0, 0.2), (1, 0.6)]:
+        run = write_run(
+            out / run_dir_name(spec) / f"seed{seed}", [*rows, {"step": "40", "perf/other": ""}], final
+        )
+        (run / "heldout_curve.json").write_text("{}")  # the last row: nothing kept
+    write_run(out / run_dir_name(spec) / "seed2", rows_of([0.5] * 5), None)  # crashed
+    write_run(out / run_dir_name(spec) / "seed3", rows_of([0.5] * 12), None)  # diverged
+    results = [
+        {"seed": 0},
+        {"seed": 1},
+        {"seed": 2, "failed": True, "error": "EngineDeadError"},
+        {"seed": 3, "failed": True, "error": "RuntimeError: 3 consecutive steps had non-finite logprobs"},
+    ]
+    stored: dict = {}
+    archive(out, spec, results, store, stored)
+    archive(out, spec, results, store, stored)  # idempotent: nothing stored twice
+    loaded = run_store.load(store)
+    assert sorted(loaded) == [(spec, 0), (spec, 1), (spec, 3)]  # the crash is left to rerun
+    assert len(store.read_text().splitlines()) == 3
+    assert loaded[(spec, 3)]["last"] is None and "non-finite" in loaded[(spec, 3)]["error"]
+    assert (
+        loaded[(spec, 0)]["rows"][0]["perf/samples_per_s"] == "3.5" and len(loaded[(spec, 0)]["rows"]) == 40
+    )
+    seeds = [0, 1, 2, 3]
+    from_dirs = table(out, [spec], seeds, 0.15, {"threshold": 4.0})["cells"][spec]
+    for seed in seeds:
+        shutil.rmtree(out / run_dir_name(spec) / f"seed{seed}", ignore_errors=True)
+    shutil.rmtree(out / "initial_eval")  # a fresh checkout: only the store
+    from_store = table(out, [spec], seeds, 0.15, {"threshold": 4.0}, loaded)["cells"][spec]
+    assert from_store["n"] == 3 and from_dirs["n"] == 4  # the crashed seed's directory is gone
+    same = [r for r in from_dirs["runs"] if r["seed"] != 2]
+    assert json.dumps(from_store["runs"]) == json.dumps(same)  # NaN diagnostics compare as text
+    assert from_store["runs"][2]["collapse_rule"] == "stopped"
+    assert pending_seeds(out, spec, seeds, loaded) == [2]
+
+
+def test_runs_from_different_warm_starts_are_refused(tmp_path):
+    from benchmarks.drift import start_reward
+
+    (tmp_path / "initial_eval").mkdir()
+    (tmp_path / "initial_eval" / "x.json").write_text(
+        json.dumps({"metrics": {"eval/sampled_reward_mean": 0.4}})
+    )
+    assert start_reward(tmp_path, {("a", 0): {"start_sampled": 0.4}}) == 0.4
+    with pytest.raises(SystemExit, match="different warm starts"):
+        start_reward(tmp_path, {("a", 0): {"start_sampled": 0.387}})
+    assert math.isnan(start_reward(tmp_path / "none", {}))
