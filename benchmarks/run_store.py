@@ -39,15 +39,22 @@ def trim(rows: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
+CODE = ("train.py", "modules", "data", "conf", "recipes", "benchmarks", ":(exclude)benchmarks/results")
+
+
 def commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown``."""
+    """The checkout's commit, ``+dirty`` with uncommitted changes to what a run executes (the
+    code, configs and recipes; not docs, nor the stores themselves), or ``unknown``."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE],
+            cwd=root,
+            capture_output=True,
+            text=True,
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
