@@ -208,20 +208,22 @@ def start_reward(out: Path, stored: dict | None = None) -> float:
 def table(
     out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict, stored: dict | None = None
 ) -> dict:
-    """The cells' outcomes from the run directories under ``out`` and, for runs not there, the
-    ``stored`` records (``benchmarks.run_store.load``)."""
-    stored = stored or {}
+    """The cells' outcomes from the ``stored`` records (``benchmarks.run_store.load``) and the
+    run directories under ``out``. Without a store, a directory with no held-out curve is a run
+    that stopped early; with one, it is a run still going (a stopped run is stored) and is left
+    out."""
     cells = {}
     start = start_reward(out, stored)
     for spec in specs:
         runs = []
         for seed in seeds:
             run_dir = out / run_dir_name(spec) / f"seed{seed}"
-            if (run_dir / "metrics.csv").exists():
-                result = analyze_run(run_dir, start, drop, detector, lag_of(spec))
-            elif (spec, seed) in stored:
+            finished = (run_dir / "heldout_curve.json").exists()
+            if stored and (spec, seed) in stored:
                 rec = stored[(spec, seed)]
                 result = outcome(rec["rows"], rec["last"], start, drop, detector, lag_of(spec))
+            elif (run_dir / "metrics.csv").exists() and (finished or stored is None):
+                result = analyze_run(run_dir, start, drop, detector, lag_of(spec))
             else:
                 continue
             runs.append({"seed": seed, **result})
@@ -425,7 +427,7 @@ def main() -> None:
         print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
         return
     out = args.analyze or args.out
-    stored = run_store.load(args.store) if args.store else {}
+    stored = run_store.load(args.store) if args.store else None
     if not args.analyze:
         for spec in specs:
             seeds = pending_seeds(out, spec, args.seeds, stored) if args.resume else args.seeds
@@ -441,7 +443,7 @@ def main() -> None:
                     prune_checkpoints=True,
                     keep_going=True,
                 )
-                if args.store:
+                if stored is not None:
                     archive(out, spec, results, args.store, stored)
     detector = {"threshold": args.threshold, "patience": args.patience}
     result = table(out, specs, args.seeds, args.drop, detector, stored)
@@ -453,7 +455,7 @@ def main() -> None:
             run_dir = out / run_dir_name(spec) / f"seed{seed}"
             if (run_dir / "metrics.csv").exists():
                 runs[f"{short(spec)} s{seed}"] = read_metrics(run_dir)
-            elif (spec, seed) in stored:
+            elif stored and (spec, seed) in stored:
                 runs[f"{short(spec)} s{seed}"] = stored[(spec, seed)]["rows"]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")

@@ -207,6 +207,9 @@ def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
     )
     seeds = [0, 1, 2, 3]
     from_dirs = table(out, [spec], seeds, 0.15, {"threshold": 4.0})["cells"][spec]
+    # with a store, a directory with no curve that is not stored is a run still going: left out
+    both = table(out, [spec], seeds, 0.15, {"threshold": 4.0}, loaded)["cells"][spec]
+    assert [r["seed"] for r in both["runs"]] == [0, 1, 3]
     for seed in seeds:
         shutil.rmtree(out / run_dir_name(spec) / f"seed{seed}", ignore_errors=True)
     shutil.rmtree(out / "initial_eval")  # a fresh checkout: only the store
