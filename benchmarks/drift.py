@@ -121,18 +121,39 @@ def lag_of(spec: str) -> int:
     return int(spec_overrides(spec).get("callbacks.weight_sync.lag", 0))
 
 
-def analyze_run(run_dir: Path, start_reward: float, drop: float, detector: dict, lag: int = 0) -> dict:
+def analyze_run(run_dir: Path, start: float, drop: float, detector: dict, lag: int = 0) -> dict:
     """One run directory's outcome (see ``outcome``)."""
+    return outcome(*dir_run(run_dir), start, drop, detector, lag)
+
+
+def dir_run(run_dir: Path) -> tuple[list[dict[str, str]], dict | None]:
+    """A run directory's metrics rows and final held-out evaluation (None: there is none)."""
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
     summary_path = run_dir / "eval_summary.json"
     last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else None
-    return outcome(rows, last, start_reward, drop, detector, lag)
+    return rows, last
+
+
+def find_run(
+    out: Path, spec: str, seed: int, stored: dict | None
+) -> tuple[list[dict[str, str]], dict | None] | None:
+    """A run's (rows, last): from the store first, else from its directory under ``out``.
+    Without a store, a directory with no held-out curve is a run that stopped early (non-finite
+    losses); with one (which holds such runs), it is unfinished (still going, crashed, killed):
+    None, as for a run that is nowhere."""
+    if stored and (spec, seed) in stored:
+        return stored[(spec, seed)]["rows"], stored[(spec, seed)]["last"]
+    run_dir = out / run_dir_name(spec) / f"seed{seed}"
+    finished = (run_dir / "heldout_curve.json").exists()
+    if (run_dir / "metrics.csv").exists() and (finished or stored is None):
+        return dir_run(run_dir)
+    return None
 
 
 def outcome(
     rows: list[dict[str, str]],
     last: dict | None,
-    start_reward: float,
+    start: float,
     drop: float,
     detector: dict,
     lag: int = 0,
@@ -143,7 +164,7 @@ def outcome(
     stopped = last is None
     last = last or {}
     final = last.get("eval/sampled_reward_mean", float("nan"))
-    collapsed = not final >= start_reward
+    collapsed = not final >= start
     c_step, rule = None, None
     if collapsed:
         c_step, rule = collapse_step(rows, drop), "drop"
@@ -191,42 +212,39 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
 
 
 def start_reward(out: Path, stored: dict | None = None) -> float:
-    """The warm start's held-out sampled reward: the shared initial evaluation under ``out``
-    and the one every stored run recorded, which must agree (a rebuilt warm start that differs
-    would make the runs incomparable); NaN with neither."""
-    starts = {rec["start_sampled"] for rec in (stored or {}).values()}
-    cached = sorted((out / "initial_eval").glob("*.json"))
-    if cached:
-        starts.add(json.loads(cached[0].read_text())["metrics"]["eval/sampled_reward_mean"])
-    if len(starts) > 1:
+    """The warm start's held-out sampled reward: the initial evaluations cached under ``out``
+    and the one each stored run began from, which must agree to 1e-6 (a rebuilt warm start
+    that differs would make the runs incomparable); NaN with none of them."""
+    starts = [rec["start_sampled"] for rec in (stored or {}).values()]
+    starts += [
+        json.loads(p.read_text())["metrics"]["eval/sampled_reward_mean"]
+        for p in (out / "initial_eval").glob("*.json")
+    ]
+    distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
+    if len(distinct) > 1:
         raise SystemExit(
-            f"runs from different warm starts (held-out sampled {sorted(starts)}): not comparable"
+            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable"
         )
-    return starts.pop() if starts else math.nan
+    return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
 
 
 def table(
     out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict, stored: dict | None = None
 ) -> dict:
     """The cells' outcomes from the ``stored`` records (``benchmarks.run_store.load``) and the
-    run directories under ``out``. Without a store, a directory with no held-out curve is a run
-    that stopped early; with one, it is a run still going (a stopped run is stored) and is left
-    out."""
+    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks."""
     cells = {}
     start = start_reward(out, stored)
     for spec in specs:
-        runs = []
+        runs, missing = [], []
         for seed in seeds:
-            run_dir = out / run_dir_name(spec) / f"seed{seed}"
-            finished = (run_dir / "heldout_curve.json").exists()
-            if stored and (spec, seed) in stored:
-                rec = stored[(spec, seed)]
-                result = outcome(rec["rows"], rec["last"], start, drop, detector, lag_of(spec))
-            elif (run_dir / "metrics.csv").exists() and (finished or stored is None):
-                result = analyze_run(run_dir, start, drop, detector, lag_of(spec))
-            else:
+            found = find_run(out, spec, seed, stored)
+            if found is None:
+                missing.append(seed)
                 continue
-            runs.append({"seed": seed, **result})
+            if math.isnan(start):
+                raise SystemExit(f"no warm-start evaluation under {out / 'initial_eval'} nor in the store")
+            runs.append({"seed": seed, **outcome(*found, start, drop, detector, lag_of(spec))})
         if not runs:
             continue
         # a run that stopped early (non-finite losses) has no final evaluation: counted as a
@@ -251,6 +269,7 @@ def table(
             "false_alarms": sum(bool(r["false_alarm"]) for r in runs),
             "acted": sum(r["acted"] for r in runs),
             "n": len(runs),
+            "missing_seeds": missing,
             "runs": runs,
         }
     # runs that did not collapse and that no controller steered: where an alarm is a false one
@@ -278,20 +297,32 @@ def pending_seeds(out: Path, spec: str, seeds: list[int], stored: dict | None = 
     return todo
 
 
-def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict) -> None:
-    """Append ``spec``'s runs that just finished to the store: those with a held-out curve, and
-    those that stopped on non-finite losses (an outcome of the experiment); a run that failed
-    otherwise (an engine crash, a kill) is not stored, so ``--resume`` runs it again."""
+def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict, setup: dict) -> None:
+    """Append ``spec``'s finished runs that the store lacks: those with a held-out curve, and
+    those that stopped on non-finite losses (``run_recipe``'s ``diverged``: an outcome of the
+    experiment); a run that failed otherwise (an engine crash, a kill) is not stored, so
+    ``--resume`` runs it again."""
     for result in results:
         seed = result["seed"]
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
         finished = (run_dir / "heldout_curve.json").exists()
-        diverged = result.get("failed") and "non-finite" in result.get("error", "")
-        if (spec, seed) in stored or not (finished or diverged):
+        if (spec, seed) in stored or not (finished or result.get("diverged")):
             continue
-        rec = run_store.record(run_dir, spec, seed, start_reward(out), None if finished else result["error"])
+        rec = run_store.record(run_dir, spec, seed, setup, None if finished else result["error"])
         run_store.append(store, rec)
         stored[(spec, seed)] = rec
+
+
+def check_setup(stored: dict, specs: list[str], setup: dict) -> None:
+    """Refuse a store whose runs of these cells ran with other overrides or evaluation interval:
+    ``--resume`` would skip them and the table would mix two experiments."""
+    for (spec, seed), rec in stored.items():
+        theirs = {k: rec.get(k) for k in ("overrides", "eval_every")}
+        ours = {k: setup[k] for k in theirs}
+        if spec in specs and theirs != ours:
+            raise SystemExit(
+                f"the store's {short(spec)} seed {seed} ran with {theirs}, this command has {ours}"
+            )
 
 
 def short(spec: str) -> str:
@@ -403,7 +434,9 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
     parser.add_argument(
-        "--resume", action="store_true", help="skip the cells' finished seeds under --out, rerun the rest"
+        "--resume",
+        action="store_true",
+        help="skip the cells' seeds finished under --out or held by --store, rerun the rest",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
     parser.add_argument(
@@ -428,11 +461,16 @@ def main() -> None:
         return
     out = args.analyze or args.out
     stored = run_store.load(args.store) if args.store else None
+    if stored is not None:
+        if not args.eval_every:
+            parser.error("--store needs --eval-every > 0 (a run is stored once its held-out curve exists)")
+        setup = {"overrides": args.overrides, "eval_every": args.eval_every, "commit": run_store.commit()}
+        check_setup(stored, specs, setup)
+        for spec in specs:  # finished runs the store lacks (a worker killed before storing them)
+            archive(out, spec, [{"seed": s} for s in args.seeds], args.store, stored, setup)
     if not args.analyze:
         for spec in specs:
             seeds = pending_seeds(out, spec, args.seeds, stored) if args.resume else args.seeds
-            if not seeds:
-                continue
             for seed in seeds:  # one at a time: each run is stored as soon as it ends
                 results = run_recipe(
                     spec,
@@ -444,7 +482,7 @@ def main() -> None:
                     keep_going=True,
                 )
                 if stored is not None:
-                    archive(out, spec, results, args.store, stored)
+                    archive(out, spec, results, args.store, stored, setup)
     detector = {"threshold": args.threshold, "patience": args.patience}
     result = table(out, specs, args.seeds, args.drop, detector, stored)
     out.mkdir(parents=True, exist_ok=True)
@@ -452,11 +490,9 @@ def main() -> None:
     runs = {}
     for spec in specs:
         for seed in args.seeds:
-            run_dir = out / run_dir_name(spec) / f"seed{seed}"
-            if (run_dir / "metrics.csv").exists():
-                runs[f"{short(spec)} s{seed}"] = read_metrics(run_dir)
-            elif stored and (spec, seed) in stored:
-                runs[f"{short(spec)} s{seed}"] = stored[(spec, seed)]["rows"]
+            found = find_run(out, spec, seed, stored)
+            if found is not None:
+                runs[f"{short(spec)} s{seed}"] = found[0]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
     print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))

@@ -304,7 +304,7 @@ def run_recipe(
     keep_going: bool = False,
 ) -> list[dict]:
     """Train ``spec`` once per seed and evaluate its curve; a failed run stops the benchmark,
-    or with ``keep_going`` is recorded as ``{"seed", "failed": True, "error"}`` (an experiment
+    or with ``keep_going`` is recorded as ``{"seed", "failed": True, "diverged", "error"}`` (an experiment
     where a run may legitimately blow up, e.g. ``benchmarks.drift``)."""
     recipe, extra = split_spec(spec)
     overrides = [*overrides, *extra]
@@ -325,7 +325,12 @@ def run_recipe(
         cmd = train_command(recipe, seed, run_dir, injected, overrides)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 and keep_going:
-            per_seed.append({"seed": seed, "failed": True, "error": proc.stderr[-2000:]})
+            # diverged: stopped on non-finite losses (an outcome, e.g. of benchmarks.drift),
+            # read from the whole stderr (shutdown noise may follow the traceback)
+            diverged = "NonFiniteLossError" in proc.stderr
+            per_seed.append(
+                {"seed": seed, "failed": True, "diverged": diverged, "error": proc.stderr[-2000:]}
+            )
             print(json.dumps({"recipe": spec, **per_seed[-1]}), file=sys.stderr)
             continue
         if proc.returncode != 0:

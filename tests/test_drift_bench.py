@@ -168,57 +168,105 @@ def test_resume_skips_finished_seeds_and_clears_a_killed_one(tmp_path):
     assert finished.exists() and not killed.exists()
 
 
+def drifting_rows() -> list[dict[str, str]]:
+    """40 trained steps at lag 1 with every signal the detector and the diagnostics read, the
+    behaviour KL and weights blowing up from step 20 (so the detector alarms), the reward
+    falling from step 25 (so the collapse is dated)."""
+    rows = rows_of([0.5] * 25 + [0.0] * 15)
+    for i, r in enumerate(rows):
+        bad = i >= 20
+        r.update(
+            {
+                "train/kl_behavior": str(0.5 if bad else 0.01 + 0.001 * (i % 3)),
+                "train/clip_frac": str(0.3 if bad else 0.01),
+                "train/grad_norm": str(50.0 if bad else 1.0 + 0.1 * (i % 2)),
+                "is/ess_frac": str(0.05 if bad else 0.95),
+                "is/zeroed_frac": "0.01",
+                "is/weight_max": str(100.0 if bad else 2.0),
+                "mismatch/k3": str(0.1 if bad else 1e-4),
+                "rollout/staleness_max": "1",
+                "perf/samples_per_s": "3.5",
+                "perf/other": "7",
+            }
+        )
+    return [*rows, {"step": "40", "perf/other": "8"}]  # a row with nothing kept
+
+
 def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
     """The committed store (benchmarks/run_store.py) stands in for a run directory a new
-    checkout no longer has: the same outcome, the same table cell, and --resume skips it."""
+    checkout no longer has: the same outcome (alarm, collapse, diagnostics), the same table
+    cell, and --resume skips it."""
     from benchmarks import run_store
     from benchmarks.drift import archive, cell_spec, pending_seeds, table
     from benchmarks.modes import run_dir_name
 
     out, store = tmp_path / "grid", tmp_path / "store.jsonl"
-    (out / "initial_eval").mkdir(parents=True)
-    (out / "initial_eval" / "x.json").write_text(json.dumps({"metrics": {"eval/sampled_reward_mean": 0.4}}))
     spec = cell_spec(1, "tis")
-    rows = rows_of([0.5] * 20 + [0.0] * 20)
-    for r in rows:
-        r["perf/samples_per_s"], r["rollout/staleness_max"] = "3.5", "1"
+    start = {"eval/sampled_reward_mean": 0.4}
+    (out / "initial_eval").mkdir(parents=True)
+    (out / "initial_eval" / "x.json").write_text(json.dumps({"metrics": start}))
     for seed, final in [(0, 0.2), (1, 0.6)]:
-        run = write_run(
-            out / run_dir_name(spec) / f"seed{seed}", [*rows, {"step": "40", "perf/other": ""}], final
-        )
-        (run / "heldout_curve.json").write_text("{}")  # the last row: nothing kept
+        run = write_run(out / run_dir_name(spec) / f"seed{seed}", drifting_rows(), final)
+        (run / "heldout_curve.json").write_text("{}")
+        summary = json.loads((run / "eval_summary.json").read_text())
+        (run / "eval_summary.json").write_text(json.dumps({**summary, "first": start}))
     write_run(out / run_dir_name(spec) / "seed2", rows_of([0.5] * 5), None)  # crashed
     write_run(out / run_dir_name(spec) / "seed3", rows_of([0.5] * 12), None)  # diverged
     results = [
         {"seed": 0},
         {"seed": 1},
-        {"seed": 2, "failed": True, "error": "EngineDeadError"},
-        {"seed": 3, "failed": True, "error": "RuntimeError: 3 consecutive steps had non-finite logprobs"},
+        {"seed": 2, "failed": True, "diverged": False, "error": "EngineDeadError"},
+        {"seed": 3, "failed": True, "diverged": True, "error": "NonFiniteLossError: 3 consecutive"},
     ]
     stored: dict = {}
-    archive(out, spec, results, store, stored)
-    archive(out, spec, results, store, stored)  # idempotent: nothing stored twice
+    setup = {"overrides": ["module.optimizer.lr=3e-3"], "eval_every": 60, "commit": "abc"}
+    archive(out, spec, results, store, stored, setup)
+    archive(out, spec, results, store, stored, setup)  # idempotent: nothing stored twice
     loaded = run_store.load(store)
     assert sorted(loaded) == [(spec, 0), (spec, 1), (spec, 3)]  # the crash is left to rerun
     assert len(store.read_text().splitlines()) == 3
-    assert loaded[(spec, 3)]["last"] is None and "non-finite" in loaded[(spec, 3)]["error"]
-    assert (
-        loaded[(spec, 0)]["rows"][0]["perf/samples_per_s"] == "3.5" and len(loaded[(spec, 0)]["rows"]) == 40
-    )
+    assert loaded[(spec, 3)]["last"] is None and loaded[(spec, 3)]["start_sampled"] is None
+    assert loaded[(spec, 0)]["start_sampled"] == 0.4 and loaded[(spec, 0)]["overrides"] == setup["overrides"]
+    kept = loaded[(spec, 0)]["rows"]
+    assert len(kept) == 41 and kept[-1] == {"step": "40"} and "perf/other" not in kept[0]
     seeds = [0, 1, 2, 3]
     from_dirs = table(out, [spec], seeds, 0.15, {"threshold": 4.0})["cells"][spec]
-    # with a store, a directory with no curve that is not stored is a run still going: left out
+    # with a store, a directory with no curve that is not stored is unfinished: left out
     both = table(out, [spec], seeds, 0.15, {"threshold": 4.0}, loaded)["cells"][spec]
-    assert [r["seed"] for r in both["runs"]] == [0, 1, 3]
-    for seed in seeds:
-        shutil.rmtree(out / run_dir_name(spec) / f"seed{seed}", ignore_errors=True)
-    shutil.rmtree(out / "initial_eval")  # a fresh checkout: only the store
+    assert [r["seed"] for r in both["runs"]] == [0, 1, 3] and both["missing_seeds"] == [2]
+    shutil.rmtree(out)  # a fresh checkout: only the store
     from_store = table(out, [spec], seeds, 0.15, {"threshold": 4.0}, loaded)["cells"][spec]
-    assert from_store["n"] == 3 and from_dirs["n"] == 4  # the crashed seed's directory is gone
     same = [r for r in from_dirs["runs"] if r["seed"] != 2]
-    assert json.dumps(from_store["runs"]) == json.dumps(same)  # NaN diagnostics compare as text
+    assert json.dumps(from_store["runs"]) == json.dumps(same)
+    run0 = from_store["runs"][0]
+    assert run0["first_alarm"] is not None and run0["collapse_step"] is not None and run0["lead_steps"] > 0
+    assert all(math.isfinite(v) for v in run0["diagnostics"].values())
     assert from_store["runs"][2]["collapse_rule"] == "stopped"
     assert pending_seeds(out, spec, seeds, loaded) == [2]
+
+
+def test_a_line_cut_short_is_skipped_and_the_next_record_is_whole(tmp_path, capsys):
+    from benchmarks import run_store
+
+    store = tmp_path / "store.jsonl"
+    run_store.append(store, {"spec": "a", "seed": 0, "rows": []})
+    with open(store, "a") as f:
+        f.write('{"spec": "a", "seed": 1, "ro')  # a writer killed mid-line
+    run_store.append(store, {"spec": "a", "seed": 2, "rows": []})
+    assert sorted(run_store.load(store)) == [("a", 0), ("a", 2)]
+    assert "line 2 is cut short" in capsys.readouterr().err
+
+
+def test_a_store_of_another_setup_is_refused(tmp_path):
+    from benchmarks.drift import cell_spec, check_setup
+
+    spec = cell_spec(1, "tis")
+    stored = {(spec, 0): {"overrides": ["module.optimizer.lr=2e-3"], "eval_every": 60}}
+    ok = {"overrides": ["module.optimizer.lr=2e-3"], "eval_every": 60, "commit": "x"}
+    check_setup(stored, [spec], ok)
+    check_setup(stored, [cell_spec(2, "tis")], {**ok, "eval_every": 20})  # other cells: not ours
+    with pytest.raises(SystemExit, match="lr=2e-3"):
+        check_setup(stored, [spec], {**ok, "overrides": ["module.optimizer.lr=3e-3"]})
 
 
 def test_runs_from_different_warm_starts_are_refused(tmp_path):
@@ -228,7 +276,11 @@ def test_runs_from_different_warm_starts_are_refused(tmp_path):
     (tmp_path / "initial_eval" / "x.json").write_text(
         json.dumps({"metrics": {"eval/sampled_reward_mean": 0.4}})
     )
-    assert start_reward(tmp_path, {("a", 0): {"start_sampled": 0.4}}) == 0.4
+    # a run that stopped before its evaluation has no start: ignored, not a second warm start
+    assert (
+        start_reward(tmp_path, {("a", 0): {"start_sampled": 0.4}, ("a", 1): {"start_sampled": None}}) == 0.4
+    )
     with pytest.raises(SystemExit, match="different warm starts"):
         start_reward(tmp_path, {("a", 0): {"start_sampled": 0.387}})
+    assert start_reward(tmp_path / "none", {("a", 0): {"start_sampled": 0.387}}) == 0.387
     assert math.isnan(start_reward(tmp_path / "none", {}))
