@@ -37,10 +37,13 @@ and the detector's lead times and false alarms.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import shutil
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks import run_store
@@ -297,6 +300,25 @@ def pending_seeds(out: Path, spec: str, seeds: list[int], stored: dict | None = 
     return todo
 
 
+@contextlib.contextmanager
+def run_lock(out: Path, spec: str, seed: int) -> Iterator[bool]:
+    """Hold ``seed<N>.lock`` beside the run's directory while it runs; yields False when
+    another worker holds it (two workers on one run would write into one directory). The lock
+    is the OS's (``flock``): a killed worker releases it."""
+    path = out / run_dir_name(spec) / f"seed{seed}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict, setup: dict) -> None:
     """Append ``spec``'s finished runs that the store lacks: those with a held-out curve, and
     those that stopped on non-finite losses (``run_recipe``'s ``diverged``: an outcome of the
@@ -470,19 +492,22 @@ def main() -> None:
             archive(out, spec, [{"seed": s} for s in args.seeds], args.store, stored, setup)
     if not args.analyze:
         for spec in specs:
-            seeds = pending_seeds(out, spec, args.seeds, stored) if args.resume else args.seeds
-            for seed in seeds:  # one at a time: each run is stored as soon as it ends
-                results = run_recipe(
-                    spec,
-                    [seed],
-                    out,
-                    args.overrides,
-                    args.eval_every,
-                    prune_checkpoints=True,
-                    keep_going=True,
-                )
-                if stored is not None:
-                    archive(out, spec, results, args.store, stored, setup)
+            for seed in args.seeds:  # one at a time: each run is stored as soon as it ends
+                with run_lock(out, spec, seed) as mine:
+                    # another worker has it, or (decided under the lock) it is already done
+                    if not mine or (args.resume and not pending_seeds(out, spec, [seed], stored)):
+                        continue
+                    results = run_recipe(
+                        spec,
+                        [seed],
+                        out,
+                        args.overrides,
+                        args.eval_every,
+                        prune_checkpoints=True,
+                        keep_going=True,
+                    )
+                    if stored is not None:
+                        archive(out, spec, results, args.store, stored, setup)
     detector = {"threshold": args.threshold, "patience": args.patience}
     result = table(out, specs, args.seeds, args.drop, detector, stored)
     out.mkdir(parents=True, exist_ok=True)

@@ -284,3 +284,24 @@ def test_runs_from_different_warm_starts_are_refused(tmp_path):
         start_reward(tmp_path, {("a", 0): {"start_sampled": 0.387}})
     assert start_reward(tmp_path / "none", {("a", 0): {"start_sampled": 0.387}}) == 0.387
     assert math.isnan(start_reward(tmp_path / "none", {}))
+
+
+def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
+    """Two workers on one cell: the second skips the seed the first is running (one directory
+    per run), and takes it once the first lets go."""
+    import fcntl
+
+    from benchmarks.drift import cell_spec, run_lock
+    from benchmarks.modes import run_dir_name
+
+    spec = cell_spec(1, "ds_seq_mask")
+    with run_lock(tmp_path, spec, 2) as first:
+        assert first
+        with run_lock(tmp_path, spec, 2) as second:  # a second open file: as another process
+            assert not second
+        with run_lock(tmp_path, spec, 1) as other_seed:
+            assert other_seed
+    with run_lock(tmp_path, spec, 2) as again:
+        assert again
+    with open(tmp_path / run_dir_name(spec) / "seed2.lock") as f:  # released on exit
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
