@@ -320,19 +320,31 @@ def run_lock(out: Path, spec: str, seed: int) -> Iterator[bool]:
 
 
 def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict, setup: dict) -> None:
-    """Append ``spec``'s finished runs that the store lacks: those with a held-out curve, and
+    """Append ``spec``'s finished runs that the store lacks: those with a held-out evaluation, and
     those that stopped on non-finite losses (``run_recipe``'s ``diverged``: an outcome of the
     experiment); a run that failed otherwise (an engine crash, a kill) is not stored, so
     ``--resume`` runs it again."""
     for result in results:
         seed = result["seed"]
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
-        finished = (run_dir / "heldout_curve.json").exists()
+        # the run's last two files: its held-out curve, then the summary the record reads
+        finished = all((run_dir / f).exists() for f in ("heldout_curve.json", "eval_summary.json"))
         if (spec, seed) in stored or not (finished or result.get("diverged")):
             continue
         rec = run_store.record(run_dir, spec, seed, setup, None if finished else result["error"])
         run_store.append(store, rec)
         stored[(spec, seed)] = rec
+
+
+def sweep(out: Path, specs: list[str], seeds: list[int], store: Path, stored: dict, setup: dict) -> None:
+    """Store the finished runs under ``out`` that the store lacks (a worker killed between
+    finishing a run and storing it), each under its run lock: a run another worker holds may be
+    between its last two files, and is left to that worker to store."""
+    for spec in specs:
+        for seed in seeds:
+            with run_lock(out, spec, seed) as mine:
+                if mine:
+                    archive(out, spec, [{"seed": seed}], store, stored, setup)
 
 
 def check_setup(stored: dict, specs: list[str], setup: dict) -> None:
@@ -488,8 +500,7 @@ def main() -> None:
             parser.error("--store needs --eval-every > 0 (a run is stored once its held-out curve exists)")
         setup = {"overrides": args.overrides, "eval_every": args.eval_every, "commit": run_store.commit()}
         check_setup(stored, specs, setup)
-        for spec in specs:  # finished runs the store lacks (a worker killed before storing them)
-            archive(out, spec, [{"seed": s} for s in args.seeds], args.store, stored, setup)
+        sweep(out, specs, args.seeds, args.store, stored, setup)
     if not args.analyze:
         for spec in specs:
             for seed in args.seeds:  # one at a time: each run is stored as soon as it ends

@@ -305,3 +305,31 @@ def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
         assert again
     with open(tmp_path / run_dir_name(spec) / "seed2.lock") as f:  # released on exit
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_sweep_leaves_a_run_another_worker_is_finishing(tmp_path):
+    """``--analyze`` with a store sweeps in finished runs the store lacks. A run whose worker
+    still holds its lock, or that has its held-out curve but not yet the summary written after
+    it, is not stored (it once was: a record with no evaluation, read as a stopped run)."""
+    import fcntl
+
+    from benchmarks import run_store
+    from benchmarks.drift import cell_spec, sweep
+    from benchmarks.modes import run_dir_name
+
+    out, store = tmp_path / "grid", tmp_path / "store.jsonl"
+    spec = cell_spec(0, "tis")
+    setup = {"overrides": [], "eval_every": 60, "commit": "abc"}
+    for seed in (0, 1):
+        run = write_run(out / run_dir_name(spec) / f"seed{seed}", rows_of([0.5] * 5), 0.6)
+        (run / "heldout_curve.json").write_text("{}")
+    half = write_run(out / run_dir_name(spec) / "seed2", rows_of([0.5] * 5), None)
+    (half / "heldout_curve.json").write_text("{}")  # its summary is not written yet
+    with open(out / run_dir_name(spec) / "seed1.lock", "w") as held:  # a worker finishing seed 1
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        stored: dict = {}
+        sweep(out, [spec], [0, 1, 2], store, stored, setup)
+    assert sorted(run_store.load(store)) == [(spec, 0)]
+    sweep(out, [spec], [0, 1, 2], store, stored, setup)  # released: now it is swept
+    loaded = run_store.load(store)
+    assert sorted(loaded) == [(spec, 0), (spec, 1)] and loaded[(spec, 1)]["last"] is not None
