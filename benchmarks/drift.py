@@ -137,6 +137,11 @@ def dir_run(run_dir: Path) -> tuple[list[dict[str, str]], dict | None]:
     return rows, last
 
 
+def is_finished(run_dir: Path) -> bool:
+    """A run wrote its last two files: the post-hoc held-out curve, then the summary read from it."""
+    return all((run_dir / f).exists() for f in ("heldout_curve.json", "eval_summary.json"))
+
+
 def find_run(
     out: Path, spec: str, seed: int, stored: dict | None
 ) -> tuple[list[dict[str, str]], dict | None] | None:
@@ -147,8 +152,7 @@ def find_run(
     if stored and (spec, seed) in stored:
         return stored[(spec, seed)]["rows"], stored[(spec, seed)]["last"]
     run_dir = out / run_dir_name(spec) / f"seed{seed}"
-    finished = (run_dir / "heldout_curve.json").exists()
-    if (run_dir / "metrics.csv").exists() and (finished or stored is None):
+    if (run_dir / "metrics.csv").exists() and (is_finished(run_dir) or stored is None):
         return dir_run(run_dir)
     return None
 
@@ -292,7 +296,7 @@ def pending_seeds(out: Path, spec: str, seeds: list[int], stored: dict | None = 
     todo = []
     for seed in seeds:
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
-        if (run_dir / "heldout_curve.json").exists() or (spec, seed) in (stored or {}):
+        if is_finished(run_dir) or (spec, seed) in (stored or {}):
             continue
         if run_dir.exists():
             shutil.rmtree(run_dir)
@@ -327,8 +331,7 @@ def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict
     for result in results:
         seed = result["seed"]
         run_dir = out / run_dir_name(spec) / f"seed{seed}"
-        # the run's last two files: its held-out curve, then the summary the record reads
-        finished = all((run_dir / f).exists() for f in ("heldout_curve.json", "eval_summary.json"))
+        finished = is_finished(run_dir)
         if (spec, seed) in stored or not (finished or result.get("diverged")):
             continue
         rec = run_store.record(run_dir, spec, seed, setup, None if finished else result["error"])
