@@ -34,14 +34,14 @@ train: $(SFT_MODEL)
 # Dashboard PNG from a run's metrics.csv: make report RUN=outputs/<recipe>/<time>
 report:
 	@test -n "$(RUN)" || (echo "usage: make report RUN=<run dir with metrics.csv>"; exit 2)
-	$(BIN)/python -m benchmarks.report $(RUN)
+	$(BIN)/python -m tools.report $(RUN)
 
 # On a GPU node, first: 3 steps of each mode on GPUs with the weight sync verified; writes
-# outputs/gpu_smoke/report.txt to send back (benchmarks/gpu_smoke.py).
+# outputs/gpu_smoke/report.txt to send back (tools/gpu_smoke.py).
 gpu-smoke:
-	$(BIN)/python -m benchmarks.gpu_smoke $(ARGS)
+	$(BIN)/python -m tools.gpu_smoke $(ARGS)
 
-# TRL's GRPOTrainer for the peer benchmark (benchmarks/trl_peer.py), in its own venv: it sees
+# TRL's GRPOTrainer for the peer benchmark (tools/trl_peer.py), in its own venv: it sees
 # this project's packages (torch, transformers, vLLM) through a .pth file and adds TRL and what
 # TRL needs on top, so the two share one torch. Not a project dependency.
 TRL_VERSION ?= 1.16.0

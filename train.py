@@ -5,7 +5,7 @@
     python train.py -m rollout.group_size=4,8 seed=0,1    # a Hydra sweep
 
 Every object comes from a ``_target_`` in ``conf/``; a recipe in ``recipes/`` only overrides.
-Exit codes, DDP stop and shutdown around ``fit`` are in ``modules/guard.py``.
+Exit codes, DDP stop and shutdown around ``fit`` are in ``modules/launch/guard.py``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from modules.config import build
 from modules.engine.gpus import place_gpus
-from modules.environment import check_environment
-from modules.guard import guarded_fit
-from modules.multirun import this_job_for_ddp_children
-from modules.validate import validate
+from modules.launch.compose import build
+from modules.launch.guard import guarded_fit
+from modules.launch.multirun import this_job_for_ddp_children
+from modules.launch.preflight import check_environment
+from modules.launch.validate import validate
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl-test"):
     """Compose conf/train.yaml exactly as train.py does, plus overrides."""
-    from modules.config import compose as compose_config
+    from modules.launch.compose import compose as compose_config
 
     return compose_config(overrides, output_dir)
 
@@ -38,7 +38,7 @@ SHRINK = [
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random Qwen2 models with peaky output distributions (init_std 0.3)."""
-    from modules.tiny_model import build_tiny_qwen
+    from modules.policy.tiny_model import build_tiny_qwen
 
     base = tmp_path_factory.mktemp("models")
     return {

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from modules.weight_sync import WeightSync
+from modules.callbacks.weight_sync import WeightSync
 
 
 class DumpRankWeights(L.Callback):

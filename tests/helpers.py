@@ -38,7 +38,7 @@ class HangingRewardTask(RemainderTask):
 
 class ScriptedRewardTask:
     """Reward-runner fixture: rows for the simulated engine (prompt ``"<length>|"``, as
-    ``benchmarks.sim_engine.SimTask``) whose reward misbehaves on chosen prompt ids.
+    ``modules.engine.sim.SimTask``) whose reward misbehaves on chosen prompt ids.
 
     ``hang``: sleeps forever; ``hang_child``: starts a ``sleep`` subprocess, then hangs;
     ``fail``: raises ``ValueError``; ``odd_fail``: raises an exception that cannot be

@@ -1,10 +1,10 @@
-"""Trainer-level run of ``GRPOModule`` on 2 CPU ranks without the vLLM engine (tests/test_sharding.py).
+"""Trainer-level run of ``PolicyGradientModule`` on 2 CPU ranks without the vLLM engine (tests/test_sharding.py).
 
     python -m tests.sharding_run OUT --strategy fsdp --model DIR [--steps 4] [--resume CKPT]
 
 The same synthetic rollout batches every time (8 samples, 2 minibatches; rank r trains half r),
 with ``Recompute`` flags on rank 0's half only, so rank 0 runs pi_old passes that rank 1 does not:
-under FSDP that is the data-dependent forward that would hang without ``modules/sharding.py``.
+under FSDP that is the data-dependent forward that would hang without ``modules/policy/sharding.py``.
 A fake datamodule stands in for the engine: ``sync_weights`` keeps what rank 0 pushed (written to
 ``OUT/pushed.v<version>.pt``) and ``engine_logprobs`` scores with a plain, unsharded HF model
 loaded from it, so ``WeightSync``'s verify compares the sharded trainer with the pushed weights.
@@ -89,7 +89,7 @@ class FakeEngineData(L.LightningDataModule):
     def engine_logprobs(self, seq: list[int]) -> list[float]:
         from transformers import AutoModelForCausalLM
 
-        from modules.policy import token_logprobs
+        from modules.policy.hf_policy import token_logprobs
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         missing, unexpected = model.load_state_dict(self.pushed, strict=False)
@@ -118,7 +118,7 @@ class Record(L.Callback):
 
 def held(pl_module: Any, trainer: L.Trainer) -> dict[str, int]:
     """Elements of parameters, gradients and optimizer state this rank holds."""
-    from modules.sharding import local_numel
+    from modules.policy.sharding import local_numel
 
     params = list(pl_module.policy.parameters())
     state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
@@ -144,13 +144,13 @@ def main() -> None:
     L.seed_everything(0)
     from functools import partial
 
-    from modules.callbacks import SaveHFModel
-    from modules.grpo import GRPOModule
-    from modules.losses import PolicyLoss
-    from modules.sharding import FSDP2Strategy
-    from modules.weight_sync import WeightSync
+    from modules.algo.losses import PolicyLoss
+    from modules.callbacks.checkpointing import SaveHFModel
+    from modules.callbacks.weight_sync import WeightSync
+    from modules.policy.policy_gradient import PolicyGradientModule
+    from modules.policy.sharding import FSDP2Strategy
 
-    module = GRPOModule(args.model, PolicyLoss(), optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    module = PolicyGradientModule(args.model, PolicyLoss(), optimizer=partial(torch.optim.AdamW, lr=1e-2))
     passes = []  # pi_old passes this rank ran (Recompute rows: rank 0 only)
     old_logprobs = module.old_logprobs
     module.old_logprobs = lambda batch: passes.append(1) or old_logprobs(batch)

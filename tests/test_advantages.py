@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from modules.advantages import GroupAdvantage, group_advantages
+from modules.algo.advantages import GroupAdvantage, group_advantages
 
 
 def test_grpo_advantage_hand_values():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from modules.config import build
-from modules.config_errors import ConfigError
-from modules.validate import validate
+from modules.launch.compose import build
+from modules.launch.config_errors import ConfigError
+from modules.launch.validate import validate
 from tests.conftest import compose
 
 BAD = [

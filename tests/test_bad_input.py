@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from modules.config import build
-from modules.config_errors import ConfigError
-from modules.environment import check_environment
-from modules.validate import validate
+from modules.launch.compose import build
+from modules.launch.config_errors import ConfigError
+from modules.launch.preflight import check_environment
+from modules.launch.validate import validate
 from tests.conftest import compose
 
 

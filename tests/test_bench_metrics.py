@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.bench_metrics import interp, mean_curve, summarize_times, target_from_finals, time_to_reward
+from lab.bench_metrics import interp, mean_curve, summarize_times, target_from_finals, time_to_reward
 
 TIMES = [0.0, 10.0, 20.0, 30.0]
 
@@ -73,7 +73,7 @@ def test_mean_curve_on_common_grid():
 
 
 def test_mean_curve_held_keeps_ended_runs_at_their_final_reward():
-    from benchmarks.bench_metrics import mean_curve_held, target_from_finals, time_to_reward
+    from lab.bench_metrics import mean_curve_held, target_from_finals, time_to_reward
 
     a = ([0.0, 10.0], [0.0, 1.0])  # ends at t=10 with 1.0
     b = ([0.0, 20.0], [0.0, 0.5])  # ends at t=20 with 0.5
@@ -89,7 +89,7 @@ def test_mean_curve_held_keeps_ended_runs_at_their_final_reward():
 
 
 def test_t95_matches_the_t_table_and_falls_back_to_normal():
-    from benchmarks.bench_metrics import t95
+    from lab.bench_metrics import t95
 
     assert t95(1) == 12.706 and t95(4) == 2.776 and t95(30) == 2.042
     assert t95(200) == 1.960
@@ -98,7 +98,7 @@ def test_t95_matches_the_t_table_and_falls_back_to_normal():
 
 
 def test_mean_ci_by_hand():
-    from benchmarks.bench_metrics import mean_ci
+    from lab.bench_metrics import mean_ci
 
     ci = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     # mean 3, sample std sqrt(2.5), half width 2.776 * sqrt(2.5) / sqrt(5)
@@ -109,7 +109,7 @@ def test_mean_ci_by_hand():
 
 
 def test_mean_ci_skips_missing_values_and_counts_them():
-    from benchmarks.bench_metrics import mean_ci
+    from lab.bench_metrics import mean_ci
 
     ci = mean_ci([None, 2.0, float("nan"), 4.0])
     assert ci["mean"] == 3.0 and ci["n"] == 2 and ci["n_total"] == 4
@@ -119,7 +119,7 @@ def test_mean_ci_skips_missing_values_and_counts_them():
 
 
 def test_bootstrap_ratio_and_difference():
-    from benchmarks.bench_metrics import bootstrap_ci
+    from lab.bench_metrics import bootstrap_ci
 
     a, b = [10.0, 12.0, 11.0, 9.0, 13.0], [20.0, 22.0, 21.0, 19.0, 23.0]
     r = bootstrap_ci(a, b, "ratio", n_boot=4000)
@@ -136,7 +136,7 @@ def test_bootstrap_ratio_and_difference():
 
 
 def test_bootstrap_empty_group_or_zero_denominator_is_none():
-    from benchmarks.bench_metrics import bootstrap_ci
+    from lab.bench_metrics import bootstrap_ci
 
     assert bootstrap_ci([], [1.0])["value"] is None
     assert bootstrap_ci([1.0], [0.0, 0.0])["value"] is None
@@ -145,7 +145,7 @@ def test_bootstrap_empty_group_or_zero_denominator_is_none():
 
 
 def test_reward_at_interpolates_and_holds_the_final_policy():
-    from benchmarks.bench_metrics import reward_at
+    from lab.bench_metrics import reward_at
 
     assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 15.0) == pytest.approx(0.48)
     assert reward_at(TIMES, [0.40, 0.44, 0.52, 0.53], 100.0) == 0.53  # the run ended at 30 s
@@ -154,7 +154,7 @@ def test_reward_at_interpolates_and_holds_the_final_policy():
 
 
 def test_welch_difference_by_hand():
-    from benchmarks.bench_metrics import t95, welch_diff_ci
+    from lab.bench_metrics import t95, welch_diff_ci
 
     a, b = [1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0]
     va, vb = 1.0 / 3, (20.0 / 3) / 4  # sample variances 1 and 20/3 over n
@@ -166,7 +166,7 @@ def test_welch_difference_by_hand():
 
 
 def test_ratio_interval_is_wider_than_the_plug_in_bootstrap_with_few_seeds():
-    from benchmarks.bench_metrics import bootstrap_ci, ratio_ci
+    from lab.bench_metrics import bootstrap_ci, ratio_ci
 
     a, b = [10.0, 12.0, 11.0, 9.0, 13.0], [20.0, 22.0, 21.0, 19.0, 23.0]
     r = ratio_ci(a, b)
@@ -179,7 +179,7 @@ def test_ratio_interval_is_wider_than_the_plug_in_bootstrap_with_few_seeds():
 
 
 def test_modes_table_renders_a_row_per_recipe_with_intervals():
-    from benchmarks.modes_table import rows
+    from lab.modes_table import rows
 
     def stat(m, lo=None, hi=None, std=0.0):
         return {"mean": m, "lo": lo, "hi": hi, "std": std, "n": 5, "n_total": 5}
@@ -219,7 +219,7 @@ def test_modes_table_renders_a_row_per_recipe_with_intervals():
 
 
 def test_run_dir_names_are_safe_in_hydra_overrides():
-    from benchmarks.modes import run_dir_name
+    from lab.modes import run_dir_name
 
     name = run_dir_name("async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis")
     assert "=" not in name and "," not in name and "/" not in name and name.startswith("async_grpo+")

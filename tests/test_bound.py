@@ -1,4 +1,4 @@
-"""``benchmarks.bound``'s best schedule at two rates per side (alone, and while both run): hand
+"""``tools.bound``'s best schedule at two rates per side (alone, and while both run): hand
 values and a brute-force check."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from benchmarks.bound import best_schedule_rate
+from tools.bound import best_schedule_rate
 
 
 def brute_force(g: float, t: float, gc: float, tc: float, n: int = 400) -> float:

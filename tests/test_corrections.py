@@ -8,8 +8,8 @@ from functools import partial
 import pytest
 import torch
 
-from modules import corrections as C
-from modules.losses import aggregate, cispo, gmpo, gspo, kl_penalty, policy_loss, ppo_clip, reinforce
+from modules.algo import corrections as C
+from modules.algo.losses import aggregate, cispo, gmpo, gspo, kl_penalty, policy_loss, ppo_clip, reinforce
 
 ALL_CORRECTIONS = [
     C.NoCorrection(),

@@ -1,4 +1,4 @@
-"""PPO's critic (modules/critic.py): reward placement, clipped value loss, the step's
+"""PPO's critic (modules/policy/critic.py): reward placement, clipped value loss, the step's
 advantages and targets on a real tiny model, and that the critic learns."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.config_errors import ConfigError
-from modules.critic import Critic, explained_variance, terminal_rewards, value_loss
-from modules.losses import PolicyLoss, ppo_clip
+from modules.algo.losses import PolicyLoss, ppo_clip
+from modules.launch.config_errors import ConfigError
+from modules.policy.critic import Critic, explained_variance, terminal_rewards, value_loss
 
 
 def test_terminal_rewards_sit_on_each_last_trained_token():
@@ -111,8 +111,8 @@ def test_old_values_survive_recollation_across_epochs(models, batch):
 
 
 def test_critic_refuses_the_kl_reward_and_sharding():
-    from modules.config import build
-    from modules.sharding import validate_sharding
+    from modules.launch.compose import build
+    from modules.policy.sharding import validate_sharding
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="algo.kl_reward.coef"):
@@ -122,7 +122,7 @@ def test_critic_refuses_the_kl_reward_and_sharding():
 
 
 def test_the_critic_learns_the_returns_and_the_policy_loss_takes_per_token_advantages(models, batch):
-    from modules.policy import load_policy, token_logprobs
+    from modules.policy.hf_policy import load_policy, token_logprobs
 
     critic = Critic(str(models["tied"]), lr=1e-3, clip=None)
     critic.build()

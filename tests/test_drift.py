@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from modules.config_errors import ConfigError
-from modules.controller import DriftCallback, scale_learning_rate
-from modules.corrections import M2PO, MaskedIS, NoCorrection, TokenIS, TruncatedTokenIS, VTrace
-from modules.drift import DriftDetector
-from modules.losses import PolicyLoss
-from modules.weight_sync import WeightSync
+from modules.algo.corrections import M2PO, MaskedIS, NoCorrection, TokenIS, TruncatedTokenIS, VTrace
+from modules.algo.losses import PolicyLoss
+from modules.callbacks.drift_controller import DriftCallback, scale_learning_rate
+from modules.callbacks.drift_score import DriftDetector
+from modules.callbacks.weight_sync import WeightSync
+from modules.launch.config_errors import ConfigError
 
 
 def healthy(step: int, rng: random.Random) -> dict[str, float]:
@@ -266,7 +266,7 @@ def test_monitor_only_acts_on_nothing():
 
 
 def test_the_callback_times_its_grad_norm_and_its_step_end_once_each(monkeypatch):
-    import modules.controller as controller
+    import modules.callbacks.drift_controller as controller
 
     cb, trainer, module, ws, opt, sched, logged = make_run(lag=2)
     clock = iter([10.0, 10.25, 20.0, 20.5])  # grad norm 0.25 s, step end 0.5 s
@@ -318,7 +318,7 @@ def test_scale_learning_rate_without_scheduler():
 
 
 def test_config_group_composes(tmp_path):
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
 
     cfg = compose(["callbacks/drift=controller", "recipe=async_grpo"])
@@ -362,14 +362,14 @@ def test_ceiling_alarms_on_a_run_off_policy_from_its_first_step():
     first = next(r.step for r in readings if r.alarm)
     assert first <= 2 and readings[first].driver == "train/kl_behavior"
     # the relative score alone (no ceilings) stays quiet on the same stream
-    from modules.drift import Signal
+    from modules.callbacks.drift_score import Signal
 
     plain = DriftDetector(signals=[Signal("train/kl_behavior", 1, log=True, min_scale=0.25, floor=1e-6)])
     assert not any(plain.update({"train/kl_behavior": k}).alarm for k in kl)
 
 
 def test_ceiling_scores_threshold_at_the_ceiling_and_a_floor_for_falling_signals():
-    from modules.drift import Signal
+    from modules.callbacks.drift_score import Signal
 
     up = Signal("x", 1, ceiling=0.2)
     down = Signal("y", -1, ceiling=0.1)
@@ -471,7 +471,7 @@ def test_lr_floor_is_reached_from_a_partly_relaxed_scale():
 
 @pytest.mark.parametrize("ceiling", [0.0, -1.0])
 def test_bad_ceiling_names_the_signal(ceiling):
-    from modules.drift import Signal
+    from modules.callbacks.drift_score import Signal
 
     with pytest.raises(ConfigError, match=r"signals\[x\]\.ceiling"):
         DriftDetector(signals=[Signal("x", ceiling=ceiling)])

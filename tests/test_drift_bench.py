@@ -1,4 +1,4 @@
-"""How ``benchmarks.drift`` dates a collapse and scores the detector, on hand-made metrics.csv."""
+"""How ``lab.drift_grid`` dates a collapse and scores the detector, on hand-made metrics.csv."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.drift import analyze_run, below_start_step, collapse_step
+from lab.drift_grid import analyze_run, below_start_step, collapse_step
 
 FIELDS = ["step", "train/loss", "train/reward_mean", "train/reward_ema", "controller/notches"]
 
@@ -92,7 +92,7 @@ def test_analyze_run_names_the_rule_that_dated_the_collapse(tmp_path):
 
 
 def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_evaluation(tmp_path):
-    from benchmarks.report import posthoc_points, render
+    from tools.report import posthoc_points, render
 
     run = write_run(tmp_path / "run", rows_of([0.4] * 5), 0.5)
     points = [
@@ -122,7 +122,7 @@ def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_eva
 
 
 def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
-    from benchmarks.drift import diagnostics
+    from lab.drift_grid import diagnostics
 
     rows = rows_of([0.5] * 6)
     for i, r in enumerate(rows):  # a delayed sync's ramp: staleness min(step, 2)
@@ -137,8 +137,8 @@ def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
 
 
 def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
-    from benchmarks.drift import cell_spec, markdown, table
-    from benchmarks.modes import run_dir_name
+    from lab.drift_grid import cell_spec, markdown, table
+    from lab.modes import run_dir_name
 
     out = tmp_path / "grid"
     (out / "initial_eval").mkdir(parents=True)
@@ -157,8 +157,8 @@ def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
 
 
 def test_resume_skips_finished_seeds_and_clears_a_killed_one(tmp_path):
-    from benchmarks.drift import cell_spec, pending_seeds
-    from benchmarks.modes import run_dir_name
+    from lab.drift_grid import cell_spec, pending_seeds
+    from lab.modes import run_dir_name
 
     spec = cell_spec(2, "tis")
     finished = write_run(tmp_path / run_dir_name(spec) / "seed0", rows_of([0.5] * 5), 0.6)
@@ -193,12 +193,12 @@ def drifting_rows() -> list[dict[str, str]]:
 
 
 def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
-    """The committed store (benchmarks/run_store.py) stands in for a run directory a new
+    """The committed store (lab/run_store.py) stands in for a run directory a new
     checkout no longer has: the same outcome (alarm, collapse, diagnostics), the same table
     cell, and --resume skips it."""
-    from benchmarks import run_store
-    from benchmarks.drift import archive, cell_spec, pending_seeds, table
-    from benchmarks.modes import run_dir_name
+    from lab import run_store
+    from lab.drift_grid import archive, cell_spec, pending_seeds, table
+    from lab.modes import run_dir_name
 
     out, store = tmp_path / "grid", tmp_path / "store.jsonl"
     spec = cell_spec(1, "tis")
@@ -246,7 +246,7 @@ def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
 
 
 def test_a_line_cut_short_is_skipped_and_the_next_record_is_whole(tmp_path, capsys):
-    from benchmarks import run_store
+    from lab import run_store
 
     store = tmp_path / "store.jsonl"
     run_store.append(store, {"spec": "a", "seed": 0, "rows": []})
@@ -258,7 +258,7 @@ def test_a_line_cut_short_is_skipped_and_the_next_record_is_whole(tmp_path, caps
 
 
 def test_a_store_of_another_setup_is_refused(tmp_path):
-    from benchmarks.drift import cell_spec, check_setup
+    from lab.drift_grid import cell_spec, check_setup
 
     spec = cell_spec(1, "tis")
     stored = {(spec, 0): {"overrides": ["module.optimizer.lr=2e-3"], "eval_every": 60}}
@@ -270,7 +270,7 @@ def test_a_store_of_another_setup_is_refused(tmp_path):
 
 
 def test_runs_from_different_warm_starts_are_refused(tmp_path):
-    from benchmarks.drift import start_reward
+    from lab.drift_grid import start_reward
 
     (tmp_path / "initial_eval").mkdir()
     (tmp_path / "initial_eval" / "x.json").write_text(
@@ -291,8 +291,8 @@ def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
     per run), and takes it once the first lets go."""
     import fcntl
 
-    from benchmarks.drift import cell_spec, run_lock
-    from benchmarks.modes import run_dir_name
+    from lab.drift_grid import cell_spec, run_lock
+    from lab.modes import run_dir_name
 
     spec = cell_spec(1, "ds_seq_mask")
     with run_lock(tmp_path, spec, 2) as first:
@@ -313,9 +313,9 @@ def test_the_sweep_leaves_a_run_another_worker_is_finishing(tmp_path):
     it, is not stored (it once was: a record with no evaluation, read as a stopped run)."""
     import fcntl
 
-    from benchmarks import run_store
-    from benchmarks.drift import cell_spec, sweep
-    from benchmarks.modes import run_dir_name
+    from lab import run_store
+    from lab.drift_grid import cell_spec, sweep
+    from lab.modes import run_dir_name
 
     out, store = tmp_path / "grid", tmp_path / "store.jsonl"
     spec = cell_spec(0, "tis")

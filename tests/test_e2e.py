@@ -158,7 +158,7 @@ def test_delayed_sync_trains_at_exactly_k_versions_of_lag_under_the_monitor(tmp_
     summary = json.loads((tmp_path / "eval_summary.json").read_text())
     # evaluations are labelled with the version the engine served; the last one is after the flush
     assert [h["policy_version"] for h in summary["history"]] == [0, 2, 4, 6, steps]
-    from benchmarks.report import render  # the dashboard's drift panel draws from this run
+    from tools.report import render  # the dashboard's drift panel draws from this run
 
     png = render(tmp_path, tmp_path / "dashboard.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -513,7 +513,7 @@ def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, mo
 
 def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(tmp_path, models):
     """``-m seed=0,1 trainer.devices=2``: Lightning relaunches rank 1 from ``sys.argv``, which in
-    a multirun still holds the sweep (``modules/multirun.py``); each job must run once, on two
+    a multirun still holds the sweep (``modules/launch/multirun.py``); each job must run once, on two
     ranks, in its own directory."""
     multirun(tmp_path, models, "trainer.max_steps=1", "trainer.devices=2", "seed=0,1")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]

@@ -15,7 +15,7 @@ import torch
 
 from modules.engine import EngineError, SamplingConfig
 from modules.engine.vllm import VLLMEngine
-from modules.policy import load_policy, named_weights, token_logprobs
+from modules.policy.hf_policy import load_policy, named_weights, token_logprobs
 
 pytestmark = pytest.mark.engine
 
@@ -167,7 +167,7 @@ def test_carry_over_across_weight_update_matches_each_policy(engine, models, inf
     """A response that spans a weight update: tokens before the split match the old weights,
     tokens after it the new ones; logprobs and version spans stay aligned (both methods)."""
     from data.rollout.controller import Pending, RolloutContext, RolloutController
-    from modules.advantages import GroupAdvantage
+    from modules.algo.advantages import GroupAdvantage
 
     old, tok = load_policy(models["tied"])
     old.eval()

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from modules import corrections as C
-from modules.losses import AGGREGATIONS, batch_counts, kl_penalty, policy_loss
+from modules.algo import corrections as C
+from modules.algo.losses import AGGREGATIONS, batch_counts, kl_penalty, policy_loss
 
 WORLD = 2
 
@@ -64,7 +64,7 @@ def _rank(rank: int, path: str, out: str) -> None:
     for mode in AGGREGATIONS:
         mask = make_batch()[4][rows]
         totals = batch_counts(mask)
-        dist.all_reduce(totals)  # what GRPOModule._global_counts does
+        dist.all_reduce(totals)  # what PolicyGradientModule._global_counts does
         g = loss_grad(rows, mode, totals, WORLD)
         dist.all_reduce(g)  # DDP: sum, then divide by the world size
         grads[mode] = g / WORLD
@@ -158,7 +158,7 @@ def test_self_normalisation_of_sequence_weights_counts_each_sequence_once():
 
 
 def test_gmpo_does_not_count_zero_advantage_tokens_as_clipped():
-    from modules.losses import gmpo
+    from modules.algo.losses import gmpo
 
     logp = torch.tensor([[-1.0, -1.0]])
     _, m = gmpo(logp, logp - 1.0, torch.tensor([0.0]), torch.ones(1, 2))
@@ -188,7 +188,7 @@ def test_the_module_never_overwrites_mu(models):
     minibatch takes pi_old from its own training forward, later minibatches from one pass in
     ``prepare_rollout_batch``, later epochs from the values remembered per sample."""
     from data.rollout.batches import minibatches
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
     from tests.test_loss_selection import synthetic_exps
 
@@ -224,7 +224,7 @@ def test_pi_old_of_unflagged_samples_stays_mu_across_epochs(models):
     first-epoch minibatch had no flagged row are never scored, and later epochs must not
     look them up (they keep pi_old := mu); the flagged one gets the current policy."""
     from data.rollout.batches import minibatches
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
     from tests.test_loss_selection import synthetic_exps
 
@@ -252,9 +252,9 @@ def test_pi_old_of_unflagged_samples_stays_mu_across_epochs(models):
 def test_dropout_is_off_in_rl_forward_passes(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from modules.grpo import GRPOModule
-    from modules.losses import PolicyLoss
-    from modules.tiny_model import build_char_tokenizer
+    from modules.algo.losses import PolicyLoss
+    from modules.policy.policy_gradient import PolicyGradientModule
+    from modules.policy.tiny_model import build_char_tokenizer
 
     cfg = Qwen2Config(
         vocab_size=64,
@@ -267,7 +267,7 @@ def test_dropout_is_off_in_rl_forward_passes(tmp_path):
     )
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     build_char_tokenizer().save_pretrained(tmp_path)
-    module = GRPOModule(str(tmp_path), PolicyLoss(), optimizer=torch.optim.AdamW)
+    module = PolicyGradientModule(str(tmp_path), PolicyLoss(), optimizer=torch.optim.AdamW)
     module.configure_model()
     module.policy.train()  # Lightning trains in train mode
     batch = {
@@ -280,8 +280,8 @@ def test_dropout_is_off_in_rl_forward_passes(tmp_path):
 
 def test_kl_in_the_reward_shapes_rewards_and_recomputes_group_advantages():
     from data.rollout.experience import Experience, collate
-    from modules.advantages import GroupAdvantage
-    from modules.kl_reward import KLRewardPenalty
+    from modules.algo.advantages import GroupAdvantage
+    from modules.algo.kl_reward import KLRewardPenalty
 
     def exp(gid, idx, reward, mu):
         return Experience(
@@ -328,8 +328,8 @@ def test_kl_in_the_reward_shapes_rewards_and_recomputes_group_advantages():
 
 
 def test_kl_in_the_reward_needs_a_reference_and_group_advantages():
-    from modules.config import build
-    from modules.config_errors import ConfigError
+    from modules.launch.compose import build
+    from modules.launch.config_errors import ConfigError
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="module.ref_model_path"):
@@ -339,7 +339,7 @@ def test_kl_in_the_reward_needs_a_reference_and_group_advantages():
 
 
 def _reduce_rank(rank: int, path: str, out: str) -> None:
-    from modules.grpo import reduce_over_ranks
+    from modules.policy.policy_gradient import reduce_over_ranks
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
     values = {

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from data.rollout.evaluation import HeldOutEvaluator, sampling_error, standard_error
-from modules.callbacks import before_after
+from modules.callbacks.held_out import before_after
 from modules.engine.types import Completion
 
 

@@ -1,4 +1,4 @@
-"""GAE, V-trace and whitening (modules/gae.py) against hand values and exact expectations."""
+"""GAE, V-trace and whitening (modules/algo/gae.py) against hand values and exact expectations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from modules.gae import gae, vtrace, whiten
+from modules.algo.gae import gae, vtrace, whiten
 
 
 def t(rows):

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from modules.config_errors import ConfigError
 from modules.engine.gpus import (
     batch_splitter,
     engine_devices,
@@ -16,6 +15,7 @@ from modules.engine.gpus import (
     suggest_split,
     visible_gpus,
 )
+from modules.launch.config_errors import ConfigError
 from tests.conftest import compose
 
 GPU = ["trainer=gpu", "engine=vllm_gpu"]

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_smoke import command, outcome
 from tests.conftest import ROOT, compose
+from tools.gpu_smoke import command, outcome
 
 
 def test_without_a_gpu_it_stops_with_exit_2_and_a_report(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "tools.gpu_smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

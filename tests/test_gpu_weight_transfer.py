@@ -15,11 +15,11 @@ import inspect
 import pytest
 import torch
 
-from modules.config import build
-from modules.config_errors import ConfigError
 from modules.engine import EngineError
 from modules.engine.vllm import VLLMEngine
-from modules.validate import validate
+from modules.launch.compose import build
+from modules.launch.config_errors import ConfigError
+from modules.launch.validate import validate
 from tests.conftest import compose
 
 

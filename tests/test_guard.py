@@ -1,4 +1,4 @@
-"""Exit codes around ``trainer.fit`` (``modules/guard.py``): an interrupt stays an interrupt.
+"""Exit codes around ``trainer.fit`` (``modules/launch/guard.py``): an interrupt stays an interrupt.
 
 Ctrl-C reaches the engine's process too, so shutting down after it can fail on its own (a
 weight sync cut short); the run must still exit 130 (143 for SIGTERM), not 1, so a scheduler
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from modules.guard import EXIT_CTRL_C, EXIT_SIGTERM, guarded_fit
+from modules.launch.guard import EXIT_CTRL_C, EXIT_SIGTERM, guarded_fit
 
 
 class Datamodule:
@@ -75,8 +75,8 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
     import os
     import signal
 
-    from modules.callbacks import CheckpointOnInterrupt
-    from modules.guard import ctrl_c_received
+    from modules.callbacks.checkpointing import CheckpointOnInterrupt
+    from modules.launch.guard import ctrl_c_received
 
     saved = []
     trainer = SimpleNamespace(

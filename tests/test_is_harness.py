@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.exact_gradient import ESTIMATORS, exact_grad, measure, objective
+from lab.exact_gradient import ESTIMATORS, exact_grad, measure, objective
 
 
 def test_dp_objective_matches_enumeration():

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from modules.lora import LoRA, is_lora
-from modules.policy import build_policy, load_policy, named_weights, token_logprobs
-from modules.weight_sync import WeightSync, WeightSyncError
+from modules.callbacks.weight_sync import WeightSync, WeightSyncError
+from modules.policy.hf_policy import build_policy, load_policy, named_weights, token_logprobs
+from modules.policy.lora import LoRA, is_lora
 
 
 class RecordingEngine:
@@ -158,8 +158,8 @@ def test_train_end_flushes_the_current_weights(setup):
 
 
 def test_lag_is_refused_outside_sync_rollout_and_when_negative():
-    from modules.config_errors import ConfigError
-    from modules.validate import validate
+    from modules.launch.config_errors import ConfigError
+    from modules.launch.validate import validate
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="callbacks.weight_sync.lag"):
@@ -170,7 +170,7 @@ def test_lag_is_refused_outside_sync_rollout_and_when_negative():
 
 
 def test_verify_tolerance_follows_the_engine_dtype():
-    from modules.config_errors import ConfigError
+    from modules.launch.config_errors import ConfigError
 
     assert WeightSync(engine_dtype="float32").tolerance == 1e-3
     assert WeightSync(engine_dtype="bfloat16").tolerance > 0.1

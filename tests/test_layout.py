@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PACKAGES = ("modules", "data", "benchmarks")
+PACKAGES = ("modules", "data", "tools", "lab")
 
 
 def project_files() -> dict[str, Path]:

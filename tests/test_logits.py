@@ -1,4 +1,4 @@
-"""The chunked output head (modules/logits.py): no full-vocabulary tensor, and a model whose
+"""The chunked output head (modules/policy/logits.py): no full-vocabulary tensor, and a model whose
 logits are not head(trunk(x)) is refused. Equality with the full path, for every layout, loss
 and gradient in float64, is in tests/test_packing.py (the *_logit_chunks layouts)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.config_errors import ConfigError
-from modules.logits import LogitHead
-from modules.packing import PackedForward, PaddedForward
+from modules.launch.config_errors import ConfigError
+from modules.policy.logits import LogitHead
+from modules.policy.packing import PackedForward, PaddedForward
 
 V = 97
 

@@ -1,4 +1,4 @@
-"""LoRA on the policy (modules/lora.py): the merged weights the engine is sent, what trains,
+"""LoRA on the policy (modules/policy/lora.py): the merged weights the engine is sent, what trains,
 the adapter-off reference, start-up errors, and engine-vs-trainer equality after a sync."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from modules.config_errors import ConfigError
-from modules.lora import LoRA, adapters_off, is_lora, merged_weights
-from modules.policy import build_policy, named_weights, token_logprobs
-from modules.validate import validate
+from modules.launch.config_errors import ConfigError
+from modules.launch.validate import validate
+from modules.policy.hf_policy import build_policy, named_weights, token_logprobs
+from modules.policy.lora import LoRA, adapters_off, is_lora, merged_weights
 from tests.conftest import compose
 from tests.test_loss_selection import synthetic_batch
 
@@ -217,7 +217,7 @@ def test_names_are_checked_when_the_adapters_are_built_too(models):
     ],
 )
 def test_resume_refuses_other_lora_settings_naming_the_field(saved, now, field):
-    from modules.lora import check_resume
+    from modules.policy.lora import check_resume
 
     with pytest.raises(ConfigError, match=rf"model\.lora\.{field}"):
         check_resume(saved, LoRA(**now))

@@ -13,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from data.rollout.experience import Experience, collate
-from modules.policy import token_logprobs
+from modules.policy.hf_policy import token_logprobs
 from tests.conftest import ROOT, compose
 
 CORRECTIONS = sorted(p.stem for p in (ROOT / "conf/algo/correction").glob("*.yaml"))
@@ -116,7 +116,7 @@ def test_kl_to_reference_needs_a_reference_model(models):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(models):
-    from modules.grpo import NonFiniteLossError
+    from modules.policy.policy_gradient import NonFiniteLossError
 
     module = instantiate(compose([f"model.path={models['tied']}", "module.max_consecutive_skips=2"]).module)
     module.configure_model()

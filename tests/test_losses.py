@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from modules.losses import ppo_clip_loss
+from modules.algo.losses import ppo_clip_loss
 
 
 def _inputs(ratios, behavior=-1.0):

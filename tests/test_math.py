@@ -24,8 +24,8 @@ from data.tasks.math import (
     parse_level,
 )
 from data.tasks.verify import math_verify_match
-from modules.config_errors import ConfigError
-from modules.validate import validate
+from modules.launch.config_errors import ConfigError
+from modules.launch.validate import validate
 from tests.conftest import compose
 
 try:
@@ -311,7 +311,7 @@ def test_hub_rows_are_normalised(monkeypatch):
 
 # ---------------------------------------------------------------------- prompt
 def _chat_tokenizer():
-    from modules.tiny_model import build_char_tokenizer
+    from modules.policy.tiny_model import build_char_tokenizer
 
     tok = build_char_tokenizer()
     tok.chat_template = (
@@ -344,7 +344,7 @@ def test_chat_template_prompt(tmp_path):
 
 
 def test_no_template_falls_back_to_plain_prompt():
-    from modules.tiny_model import build_char_tokenizer
+    from modules.policy.tiny_model import build_char_tokenizer
 
     assert format_prompt("Q?", build_char_tokenizer()).startswith("Problem: Q?")
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.config_errors import ConfigError
-from modules.microbatch import MicroBatched
-from modules.packing import PackedForward
+from modules.launch.config_errors import ConfigError
+from modules.policy.microbatch import MicroBatched
+from modules.policy.packing import PackedForward
 from tests.test_packing import build_loss, loss_and_grads, model64, ragged_batch  # noqa: F401
 
 
 def accumulated(model, loss_fn, batch, size: int) -> list[torch.Tensor]:
     """Textbook gradient accumulation: one loss and backward per micro-batch, each with the
     minibatch's normalisers (``totals``) so that plain token sums add up."""
-    from modules.losses import batch_counts
+    from modules.algo.losses import batch_counts
 
     model.zero_grad()
     totals = batch_counts(batch["loss_mask"]).double()
@@ -72,7 +72,7 @@ def test_backward_recomputes_one_micro_batch_at_a_time_and_keeps_only_inputs(mod
     """Peak activation memory is one micro-batch's: between forward and backward autograd keeps
     only the checkpoints' inputs (not every layer's activations), and the backward recomputes
     the micro-batches one by one, each with at most ``size`` sequences. (Actual peak RSS:
-    ``python -m benchmarks.memory --micro``, docs/gpu.md.)"""
+    ``python -m lab.memory --micro``, docs/gpu.md.)"""
     batch = ragged_batch(seed=6, n=12)
     ids, am = batch["input_ids"], batch["attention_mask"]
     calls: list[tuple[bool, int]] = []
@@ -116,7 +116,7 @@ def test_micro_batched_forward_copies_and_pickles():
 def test_bad_micro_batch_size_names_the_field(size):
     with pytest.raises(ConfigError, match="algo.micro_batch_size"):
         MicroBatched(PackedForward(), size)
-    from modules.validate import validate
+    from modules.launch.validate import validate
     from tests.conftest import compose
 
     if not isinstance(size, str):  # (on the command line "4" is the int 4)
@@ -125,7 +125,7 @@ def test_bad_micro_batch_size_names_the_field(size):
 
 
 def test_module_config_builds_the_micro_batched_forward():
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
 
     cfg = compose(["algo.micro_batch_size=2"])
@@ -154,7 +154,7 @@ def test_trunk_gradient_checkpointing_gives_the_same_update(model64):  # noqa: F
 
 
 def test_module_enables_gradient_checkpointing_from_config(models):
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="module.gradient_checkpointing"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from modules.multirun import job_argv, this_job_for_ddp_children
+from modules.launch.multirun import job_argv, this_job_for_ddp_children
 
 
 def test_a_job_command_line_has_no_sweep():

@@ -1,8 +1,8 @@
 """Padding-free training equals padded training: logprobs, loss and gradients, in float64.
 
-Micro-batched training (``modules/microbatch.py``) is one more layout here: the same numbers.
+Micro-batched training (``modules/policy/microbatch.py``) is one more layout here: the same numbers.
 
-The forward layouts of ``modules/packing.py`` (packed rows with restarting position ids,
+The forward layouts of ``modules/policy/packing.py`` (packed rows with restarting position ids,
 length-bucketed micro-batches) must give the padded computation's numbers for every loss the
 project can configure: each aggregation x each correction (and each objective under one
 aggregation), with the decoupled anchor where the correction needs pi_old, computed by the
@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from data.rollout.experience import Experience, collate
-from modules.microbatch import MicroBatched
-from modules.packing import BucketedForward, PackedForward, PaddedForward, first_fit_decreasing, pack_plan
+from modules.policy.microbatch import MicroBatched
+from modules.policy.packing import (
+    BucketedForward,
+    PackedForward,
+    PaddedForward,
+    first_fit_decreasing,
+    pack_plan,
+)
 from tests.conftest import ROOT, compose
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -29,11 +35,11 @@ LAYOUTS = {
     "packed_long_rows": PackedForward(row_tokens=64),
     "packed_tiny_rows": PackedForward(row_tokens=2),  # one sequence per row
     "bucketed": BucketedForward(token_budget=40),
-    # the output head applied a few positions at a time (modules/logits.py)
+    # the output head applied a few positions at a time (modules/policy/logits.py)
     "padded_logit_chunks": PaddedForward(logit_chunk=5),
     "packed_logit_chunks": PackedForward(logit_chunk=7),
     "bucketed_logit_chunks": BucketedForward(token_budget=40, logit_chunk=3),
-    # checkpointed micro-batches (modules/microbatch.py): uneven, one sequence, nested chunking
+    # checkpointed micro-batches (modules/policy/microbatch.py): uneven, one sequence, nested chunking
     "micro_packed_3": MicroBatched(PackedForward(), 3),
     "micro_padded_1": MicroBatched(PaddedForward(), 1),
     "micro_bucketed_4_logit_chunks": MicroBatched(BucketedForward(token_budget=40, logit_chunk=3), 4),
@@ -44,7 +50,7 @@ def tiny_qwen(hidden: int = 32) -> torch.nn.Module:
     """A tiny random float32 Qwen2 in train mode with dropout off (as the trainer runs)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from modules.policy import disable_dropout
+    from modules.policy.hf_policy import disable_dropout
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -214,7 +220,7 @@ def test_pack_plan_places_every_token_once_in_bounded_rows():
 def test_a_model_that_ignores_packed_position_ids_is_refused(model64):
     """Packing relies on the model building its mask from position ids; one that does not
     (here: a wrapper that drops them) would silently attend across sequences."""
-    from modules.config_errors import ConfigError
+    from modules.launch.config_errors import ConfigError
 
     class DropsPositions(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module) -> None:
@@ -251,7 +257,7 @@ def test_empty_batches_give_empty_logprobs(model64):
 
 
 def test_bad_row_settings_name_the_field():
-    from modules.config_errors import ConfigError
+    from modules.launch.config_errors import ConfigError
 
     with pytest.raises(ConfigError, match="module.forward.row_tokens"):
         PackedForward(row_tokens=1)

@@ -8,10 +8,10 @@ import sys
 import pytest
 from hydra.utils import instantiate
 
-from benchmarks.pipeline import bounds, expected_max, simulate
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
 from tests.conftest import ROOT, compose
+from tools.pipeline import bounds, expected_max, simulate
 
 
 def controller(mode: str, *overrides: str):
@@ -62,7 +62,7 @@ def test_cli_prints_json_with_bounds(tmp_path):
         [
             sys.executable,
             "-m",
-            "benchmarks.pipeline",
+            "tools.pipeline",
             "rollout=partial",
             "sim.steps=20",
             f"hydra.run.dir={tmp_path}",
@@ -92,7 +92,7 @@ def test_bounds_clip_latencies_at_max_tokens():
 
 
 def test_sync_makespan_is_the_longest_response_or_the_work_per_slot():
-    from benchmarks.pipeline import sync_makespan
+    from tools.pipeline import sync_makespan
 
     assert sync_makespan([(10, 1.0)], 32, 8) == pytest.approx(40)  # 320 units of work on 8 slots
     assert sync_makespan([(10, 1.0)], 32, 64) == pytest.approx(10)  # everything at once
@@ -111,7 +111,7 @@ def test_the_sync_bound_holds_with_groups():
 
 
 def test_a_dropping_config_is_also_measured_against_the_mix_it_trains():
-    from benchmarks.pipeline import ratios
+    from tools.pipeline import ratios
 
     lat = [(10, 0.9), (100, 0.1)]
     ctl = controller("streaming", "rollout/staleness=drop", "rollout.max_staleness=2")

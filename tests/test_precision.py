@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from modules.validate import mismatch_warning, validate
-from modules.weight_sync import VERIFY_TOLERANCE, verify_tolerance
+from modules.callbacks.weight_sync import VERIFY_TOLERANCE, verify_tolerance
+from modules.launch.validate import mismatch_warning, validate
 from tests.conftest import compose
 
 GPU_RECIPES = ["gsm8k_grpo", "math_grpo"]
@@ -54,7 +54,7 @@ def test_uncorrected_mismatch_warns_at_start_up_naming_the_fields(overrides, nam
     message = mismatch_warning(cfg)
     assert message is not None and all(n in message for n in names), message
     assert "algo.loss.anchor=decoupled" in message  # and says what fixes it
-    with caplog.at_level(logging.WARNING, logger="modules.validate"):
+    with caplog.at_level(logging.WARNING, logger="modules.launch.validate"):
         validate(cfg)
     assert any("engine and trainer logprobs differ" in r.getMessage() for r in caplog.records)
 

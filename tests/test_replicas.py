@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from modules.config_errors import ConfigError
 from modules.engine import EngineError, SamplingConfig
 from modules.engine.replicas import ReplicatedEngine, build_engine, replica_cores, split_even
-from modules.environment import tensor_parallel_problem
+from modules.launch.config_errors import ConfigError
+from modules.launch.preflight import tensor_parallel_problem
 
 
 class FakeReplica:
@@ -220,7 +220,7 @@ def test_tensor_parallel_rule():
 
 
 def test_start_up_refuses_a_tensor_parallel_split_the_model_cannot_take(tmp_path):
-    from modules.tiny_model import build_tiny_qwen
+    from modules.policy.tiny_model import build_tiny_qwen
     from tests.conftest import compose
 
     model = build_tiny_qwen(tmp_path / "m", seed=0)
@@ -231,7 +231,7 @@ def test_start_up_refuses_a_tensor_parallel_split_the_model_cannot_take(tmp_path
     cfg = compose(
         [f"model.path={model}", "engine=vllm_gpu", f"engine.gpu_ids=[{','.join(map(str, range(tp)))}]"]
     )
-    from modules.environment import _check_tensor_parallel
+    from modules.launch.preflight import _check_tensor_parallel
 
     with pytest.raises(ConfigError, match="engine.gpu_ids.*tensor-parallel"):
         _check_tensor_parallel(cfg)
@@ -240,7 +240,7 @@ def test_start_up_refuses_a_tensor_parallel_split_the_model_cannot_take(tmp_path
 
 
 def compose_and_build(overrides):
-    from modules.config import build
+    from modules.launch.compose import build
     from tests.conftest import compose
 
     return build(compose(overrides).engine)
@@ -272,7 +272,7 @@ def two_replicas(models):
 
 @pytest.mark.engine
 def test_two_real_replicas_share_work_and_one_version(two_replicas, models):
-    from modules.policy import load_policy, named_weights
+    from modules.policy.hf_policy import load_policy, named_weights
     from tests.test_engine import _perturb, trainer_logprobs
 
     eng = two_replicas

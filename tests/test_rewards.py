@@ -23,10 +23,10 @@ from data.rollout.rewards import (
 )
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
-from modules.advantages import GroupAdvantage
-from modules.config_errors import ConfigError
+from modules.algo.advantages import GroupAdvantage
 from modules.engine import SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine
+from modules.launch.config_errors import ConfigError
 from tests.helpers import ScriptedRewardTask, UnpicklableTask
 
 TIMEOUT_S = 0.5

@@ -18,7 +18,7 @@ from data.rollout.selection import Fifo, Stratified
 from data.rollout.staleness import Admit, Downweight, Drop, Recompute, Throttle
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
-from modules.advantages import GroupAdvantage, RunningBaseline
+from modules.algo.advantages import GroupAdvantage, RunningBaseline
 from modules.engine import EngineError, SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 
@@ -337,7 +337,7 @@ def test_running_baseline_lets_single_responses_flow_before_their_group(scope):
 
 
 def test_running_baseline_is_rejected_with_admission_control():
-    from modules.config_errors import ConfigError
+    from modules.launch.config_errors import ConfigError
 
     with pytest.raises(ConfigError, match="algo.advantage"):
         bind(

@@ -10,7 +10,7 @@ from data.rollout.prompts import PromptStream
 from data.rollout.selection import Stratified
 from data.rollout.staleness import Admit, Drop, Throttle
 from data.rollout.streaming import StreamingRollout
-from modules.advantages import GroupAdvantage, RunningBaseline
+from modules.algo.advantages import GroupAdvantage, RunningBaseline
 from modules.engine import SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 

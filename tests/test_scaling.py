@@ -1,4 +1,4 @@
-"""benchmarks/scaling.py: the weight-sync cost model, the engine/trainer split and the simulator's
+"""lab/scaling.py: the weight-sync cost model, the engine/trainer split and the simulator's
 sync cost, against hand values; a smoke run of the benchmark."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import math
 import pytest
 from hydra.utils import instantiate
 
-from benchmarks.pipeline import bounds, pause, simulate
-from benchmarks.scaling import (
+from lab.scaling import (
     Gpu,
     Model,
     broadcast_time,
@@ -25,6 +24,7 @@ from benchmarks.scaling import (
 from modules.engine.sim import SimEngine
 from modules.engine.types import SamplingConfig
 from tests.conftest import compose
+from tools.pipeline import bounds, pause, simulate
 
 
 def test_weight_bytes_and_push_vs_broadcast_by_hand():

@@ -13,10 +13,10 @@ from data.rollout.prompts import PromptStream
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
-from modules.advantages import GroupAdvantage, RunningBaseline
-from modules.config_errors import ConfigError
+from modules.algo.advantages import GroupAdvantage, RunningBaseline
 from modules.engine import SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine, SimTask
+from modules.launch.config_errors import ConfigError
 
 G = 2
 INFORMATIVE, FLAT = [4, 12], [4, 4]  # response lengths of a group's two samples

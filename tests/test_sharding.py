@@ -1,6 +1,6 @@
-"""Sharded training (FSDP2 via ``modules/sharding.py``) on 2 CPU gloo ranks.
+"""Sharded training (FSDP2 via ``modules/policy/sharding.py``) on 2 CPU gloo ranks.
 
-Trainer-level runs (``tests/sharding_run.py``: the real ``GRPOModule``, ``WeightSync`` and
+Trainer-level runs (``tests/sharding_run.py``: the real ``PolicyGradientModule``, ``WeightSync`` and
 ``SaveHFModel``, a fake engine that scores with a plain HF model of the pushed weights) compare
 FSDP with DDP on the same batches; one end-to-end ``train.py trainer=fsdp_cpu`` run uses the real
 engine. What does not run on the CPU (FSDP1, Lightning's ``strategy=fsdp``) is asserted with its
@@ -148,9 +148,9 @@ def test_fsdp1_does_not_run_on_the_cpu():
     ],
 )
 def test_bad_sharding_configs_fail_at_start_up(overrides, field):
-    from modules.config import build
-    from modules.config_errors import ConfigError
-    from modules.validate import validate
+    from modules.launch.compose import build
+    from modules.launch.config_errors import ConfigError
+    from modules.launch.validate import validate
 
     cfg = compose(overrides)
     with pytest.raises(ConfigError, match=f"invalid config value {field}="):
@@ -159,9 +159,9 @@ def test_bad_sharding_configs_fail_at_start_up(overrides, field):
 
 
 def test_fsdp_config_composes_to_the_strategy():
-    from modules.config import build
-    from modules.sharding import FSDP2Strategy
-    from modules.validate import validate
+    from modules.launch.compose import build
+    from modules.launch.validate import validate
+    from modules.policy.sharding import FSDP2Strategy
 
     cfg = compose(["trainer=fsdp_cpu"])
     validate(cfg)

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from benchmarks.pipeline import bounds, simulate
 from data.rollout.sizing import Sizing
-from modules.config import build
-from modules.config_errors import ConfigError
 from modules.engine.sim import SimEngine
 from modules.engine.types import SamplingConfig
+from modules.launch.compose import build
+from modules.launch.config_errors import ConfigError
 from tests.conftest import compose
+from tools.pipeline import bounds, simulate
 
 SEED = [(10, 0.9), (100, 0.1)]
 LOGNORMAL = [(v, 0.05) for v in (1, 2, 4, 5, 6, 8, 10, 12, 15, 18, 22, 27, 32, 40, 49, 62, 81, 112, 173, 378)]
@@ -142,7 +142,7 @@ def test_cancelling_doomed_groups_wastes_less_engine_time(k):
 def test_a_group_is_cancelled_only_once_it_cannot_be_trained():
     from data.rollout.controller import RolloutContext
     from data.rollout.prompts import PromptStream
-    from modules.advantages import GroupAdvantage
+    from modules.algo.advantages import GroupAdvantage
     from modules.engine.sim import CharTokenizer, SimTask
 
     ctl = streaming(
@@ -173,7 +173,7 @@ def test_moving_the_bound_resizes_what_may_be_outstanding():
 
 
 def test_auto_passes_start_up_validation_and_bad_values_name_the_field():
-    from modules.validate import validate
+    from modules.launch.validate import validate
 
     validate(compose(["recipe=async_grpo", "rollout.max_inflight=auto", "rollout.buffer_capacity=auto"]))
     with pytest.raises(ConfigError, match="rollout.max_inflight"):
@@ -217,7 +217,7 @@ def test_schedules_agree_when_everything_starts_at_once():
 
 
 def test_planner_recommends_the_fastest_config_within_the_budget():
-    from benchmarks.plan import run as plan
+    from tools.plan import run as plan
 
     result = plan("seed_workload", [], steps=30, seed=0, budget=1.0, max_level_kl=0.01)
     rows = result["candidates"]
@@ -267,7 +267,7 @@ def test_auto_partial_reaches_the_bound_unbiased_at_the_littles_law_staleness(wo
 
 
 def test_over_provision_auto_passes_validation_and_bad_values_name_the_field():
-    from modules.validate import validate
+    from modules.launch.validate import validate
 
     validate(compose(["recipe=partial_grpo", "rollout.over_provision=auto"]))
     with pytest.raises(ConfigError, match="rollout.over_provision"):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from modules.multirun import job_argv
-from modules.validate import validate
+from modules.launch.multirun import job_argv
+from modules.launch.validate import validate
 from tests.conftest import ROOT, compose
 
 SWEEP = "+sweep=optuna_testbed"
@@ -78,7 +78,7 @@ def test_every_corner_of_the_search_space_validates(corner):
 
 
 def test_ddp_children_of_a_trial_rerun_that_trial_only():
-    """Lightning relaunches DDP ranks from ``sys.argv`` (modules/multirun.py): for an Optuna
+    """Lightning relaunches DDP ranks from ``sys.argv`` (modules/launch/multirun.py): for an Optuna
     trial that is the trial's own overrides, the sweep config kept, no ``-m``, no sweeper keys."""
     argv = ["train.py", "-m", SWEEP, "hydra.sweeper.n_trials=2", "trainer.devices=2"]
     trial = ["module.optimizer.lr=0.0003", "algo.objective.eps_low=0.15", "rollout.max_staleness=2"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import random
 
 from data.tasks.remainder import LEVELS, RemainderTask, demonstrate, solve
-from modules.tiny_model import build_char_tokenizer
+from modules.policy.tiny_model import build_char_tokenizer
 
 
 def test_tokenizer_round_trip():
@@ -97,7 +97,7 @@ def test_demonstrator_slips_at_its_rate_and_propagates_its_slips():
 
 
 def test_sft_split_carries_the_demonstration_the_warm_start_imitates():
-    from data.sft import target
+    from data.sft_data import target
 
     rows = RemainderTask().build("sft", 100).to_list()
     assert all(r["demo"].endswith(".") for r in rows)

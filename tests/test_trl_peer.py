@@ -1,5 +1,5 @@
 """The TRL peer benchmark's pieces that run without TRL: which settings it can mirror, and the
-run directory it writes (read by ``benchmarks.heldout_curve`` and ``benchmarks.modes``)."""
+run directory it writes (read by ``tools.heldout_curve`` and ``lab.modes``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from benchmarks.trl_peer import check_matchable, write_run
 from tests.conftest import compose
+from tools.trl_peer import check_matchable, write_run
 
 
 def test_the_sync_recipe_is_mirrored_and_other_settings_are_refused_by_field():
@@ -25,8 +25,8 @@ def test_the_sync_recipe_is_mirrored_and_other_settings_are_refused_by_field():
 
 
 def test_the_run_directory_reads_like_a_train_py_run(tmp_path):
-    from benchmarks.heldout_curve import run_overrides, training_time_of, wall_at_steps
-    from benchmarks.modes import last, read_metrics
+    from lab.modes import last, read_metrics
+    from tools.heldout_curve import run_overrides, training_time_of, wall_at_steps
 
     rows = [
         {

@@ -1,4 +1,4 @@
-"""The simulator's engine cost model and the planner's fit to a finished run (benchmarks/workload.py)."""
+"""The simulator's engine cost model and the planner's fit to a finished run (tools/workload.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from benchmarks.plan import predict, validate
-from benchmarks.workload import Workload, fit, fit_engine, fit_trainer, mean_concurrency
 from modules.engine.sim import CharTokenizer, SimEngine, SimTask
 from modules.engine.types import SamplingConfig
+from tools.plan import predict, validate
+from tools.workload import Workload, fit, fit_engine, fit_trainer, mean_concurrency
 
 TOK = CharTokenizer()
 

@@ -4,7 +4,7 @@
 (a fresh shuffle per epoch); the last one is flagged ``sync_after`` when a weight sync is due,
 so the ``WeightSync`` callback pushes the weights before the next rollout batch is requested.
 ``rollout_stats`` are the per-rollout-batch metrics the module logs with the first minibatch.
-Both are shared by ``RolloutDataModule`` and ``benchmarks.bound`` (training-only replay).
+Both are shared by ``RolloutDataModule`` and ``tools.bound`` (training-only replay).
 """
 
 from __future__ import annotations

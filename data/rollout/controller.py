@@ -19,8 +19,8 @@ from data.rollout.experience import Experience
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import RewardRunner, RewardWorkerError
 from data.rollout.shaping import InformativeGroups, Overlong
-from modules.config_errors import check, check_choice
 from modules.engine.types import Completion, Engine, SamplingConfig
+from modules.launch.config_errors import check, check_choice
 
 
 class RewardError(RuntimeError):
@@ -35,7 +35,7 @@ class RolloutContext:
     task: Any  # data.tasks.Task
     tokenizer: Any
     prompts: PromptStream
-    advantage: Any  # modules.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
+    advantage: Any  # modules.algo.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
     seed: int = 0
 
 
@@ -144,7 +144,7 @@ class RolloutController:
         self.lock: AbstractContextManager = threading.RLock()
 
     def set_max_staleness(self, value: int) -> None:
-        """Move the staleness bound at run time (``modules.controller``)."""
+        """Move the staleness bound at run time (``modules.callbacks.drift_controller``)."""
         self.max_staleness = value
 
     def check_advantage(self, advantage: Any) -> None:

@@ -34,9 +34,9 @@ from data.rollout.evaluation import HeldOutEvaluator
 from data.rollout.experience import Experience
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import pickle_task
-from modules.checkpoint_rng import python_state, python_state_tuple
-from modules.config_errors import check
+from modules.callbacks.checkpoint_rng import python_state, python_state_tuple
 from modules.engine.types import Engine
+from modules.launch.config_errors import check
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -267,7 +267,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.rollout.trainer_version = version
 
     def staleness_bound(self) -> int | None:
-        """The rollout's ``max_staleness`` (None in sync mode); moved by ``modules.controller``."""
+        """The rollout's ``max_staleness`` (None in sync mode); moved by ``modules.callbacks.drift_controller``."""
         return self.rollout.max_staleness
 
     def set_staleness_bound(self, value: int) -> None:

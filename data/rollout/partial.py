@@ -15,7 +15,7 @@ staleness, about alpha - 1 versions on average. Near the bound of a generation-b
 that is unavoidable: every sample generating when the weights change gains a version, a full
 engine holds ``concurrency`` of them, and a version trains P G, so the mean staleness of an
 unbiased pipeline at that bound is at least concurrency / (P G) = alpha - 1
-(``benchmarks.pipeline`` prints this floor). Simulator (``python -m benchmarks.plan``): 0.94-0.98
+(``tools.pipeline`` prints this floor). Simulator (``python -m tools.plan``): 0.94-0.98
 of the pipeline bound at mean staleness 1.97-1.98 on the seed, lognormal and bimodal workloads,
 where alpha = 2 reaches 0.48-0.65. When training is the bottleneck auto keeps more outstanding
 than needed (same throughput, more staleness; set alpha by hand there). The cap at 3 keeps an
@@ -32,8 +32,8 @@ from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.staleness import StalenessPolicy
 from data.rollout.streaming import StreamingRollout
-from modules.config_errors import check
 from modules.engine.types import SamplingConfig
+from modules.launch.config_errors import check
 
 # auto's alpha is at most 1 + this: mean staleness about 2 versions, whatever the engine's size.
 AUTO_MAX_EXTRA = 2
@@ -105,7 +105,7 @@ class PartialRollout(StreamingRollout):
         super().bind(ctx)
 
     def set_max_staleness(self, value: int) -> None:
-        """A new bound (``modules.controller``) also resizes auto's over-provisioning."""
+        """A new bound (``modules.callbacks.drift_controller``) also resizes auto's over-provisioning."""
         self.max_staleness = value
         if self.ctx is not None:
             self.max_inflight = self.buffer_capacity = self.groups_per_iteration(self.ctx.engine.concurrency)

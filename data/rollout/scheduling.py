@@ -3,7 +3,7 @@ once, submit the groups predicted to be longest first (Seer-style longest-proces
 first), so the longest responses do not start last and stretch the barrier.
 
     python train.py rollout.schedule=longest_first      # sync rollout; fifo is the default
-    python -m benchmarks.pipeline rollout=sync rollout.schedule=longest_first sim.concurrency=8
+    python -m tools.pipeline rollout=sync rollout.schedule=longest_first sim.concurrency=8
 
 The prediction never reads the answer: it is the mean response length this prompt's last
 group produced (prompts come round again each epoch), else the running mean of its difficulty

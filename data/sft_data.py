@@ -1,0 +1,116 @@
+"""Supervised warm start data: task prompts with their reference responses.
+
+The RL recipes start from a model that already solves some prompts (GRPO learns nothing from
+groups whose rewards are all equal), so ``recipe=sft_warmup`` first trains the tiny random
+model on reference scratchpads. It is deliberately stopped early: accuracy lands in the
+middle, falling with difficulty, which leaves room for RL.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from modules.launch.config_errors import check
+from modules.policy.tiny_model import build_char_tokenizer
+
+
+def target(row: dict) -> str:
+    """What SFT imitates: the row's ``demo`` where the task provides one (the remainder task's
+    sloppy demonstrator), else its reference ``answer``."""
+    return row["demo"] if row.get("demo") is not None else row["answer"]
+
+
+class LengthBucketSampler(Sampler[list[int]]):
+    """Batches of similar length (padding waste is ~6x without it: the length tail is long).
+
+    Shuffles, sorts within windows of 50 batches, then shuffles the batches; a new order
+    each epoch, deterministic from ``seed``.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0) -> None:
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = random.Random(self.seed + self.epoch)
+        self.epoch += 1
+        idx = list(range(len(self.lengths)))
+        rng.shuffle(idx)
+        window = self.batch_size * 50
+        batches = []
+        for w in range(0, len(idx), window):
+            chunk = sorted(idx[w : w + window], key=self.lengths.__getitem__)
+            batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        rng.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return (len(self.lengths) + self.batch_size - 1) // self.batch_size
+
+
+class SFTDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        task: Any,
+        train_size: int = 20000,
+        eval_size: int = 256,
+        batch_size: int = 64,
+        eval_batch_size: int = 128,
+        num_workers: int = 0,
+        level_weights: list[float] | None = None,
+    ) -> None:
+        super().__init__()
+        check("data.train_size", train_size, train_size >= 1, "an int >= 1")
+        check("data.batch_size", batch_size, batch_size >= 1, "an int >= 1")
+        check("data.eval_size", eval_size, eval_size >= 1, "an int >= 1")
+        self.task = task
+        self.train_size = train_size
+        self.eval_size = eval_size
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.level_weights = None if level_weights is None else tuple(level_weights)
+        self.tokenizer = build_char_tokenizer()
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_rows = self.task.build("sft", self.train_size, self.level_weights)
+        self.eval_rows = self.task.build("eval", self.eval_size)
+
+    def _collate_train(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        tok, eos, pad = self.tokenizer, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        seqs, labels = [], []
+        for r in rows:
+            p = tok(self.task.prompt_text(r))["input_ids"]
+            a = tok(target(r))["input_ids"] + [eos]
+            seqs.append(p + a)
+            labels.append([-100] * len(p) + a)
+        n = max(map(len, seqs))
+        ids = torch.full((len(seqs), n), pad)
+        lab = torch.full((len(seqs), n), -100)
+        mask = torch.zeros((len(seqs), n), dtype=torch.long)
+        for i, (s, lb) in enumerate(zip(seqs, labels)):
+            ids[i, : len(s)] = torch.tensor(s)
+            lab[i, : len(lb)] = torch.tensor(lb)
+            mask[i, : len(s)] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+    def train_dataloader(self) -> DataLoader:
+        rows = list(self.train_rows)
+        lengths = [len(r["prompt"]) + len(target(r)) for r in rows]
+        sampler = LengthBucketSampler(lengths, self.batch_size)
+        return DataLoader(
+            rows, batch_sampler=sampler, collate_fn=self._collate_train, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            list(self.eval_rows), batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda rows: rows
+        )

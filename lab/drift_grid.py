@@ -1,0 +1,541 @@
+"""Estimator drift on the real engine: lag K x correction, the bf16 mismatch, detector lead time.
+
+    python -m lab.drift_grid                                     # K x correction grid, 3 seeds
+    python -m lab.drift_grid --lags 0 4 --corrections none tis --seeds 0 -- trainer.max_steps=30
+    python -m lab.drift_grid --mismatch                          # bf16 engine, float32 trainer
+    python -m lab.drift_grid --controller                        # + callbacks/drift=controller
+    python -m lab.drift_grid --analyze outputs/bench/drift       # re-read finished runs
+    python -m lab.drift_grid --resume --out outputs/bench/drift  # finish an interrupted grid
+    python -m lab.drift_grid --resume --store lab/results/drift_grid_3e-3.jsonl ...  # across sessions
+    python -m lab.drift_grid --replay outputs/bench/modes5/*/seed*   # the detector on any runs
+
+Each cell is ``sync_grpo`` with a delayed weight sync (``callbacks.weight_sync.lag=K``: every
+trained token exactly K versions old) and a correction: ``none`` keeps the bypass anchor (pi_old
+:= mu, the PPO ratio against the behaviour policy, as the shipped recipes do); every other
+correction runs with the decoupled anchor, so it sees pi_old / mu. Every run carries the drift
+monitor (``callbacks/drift=monitor``: no actions), so the detector's alarms and its inputs are
+in each run's metrics.csv; ``--analyze`` replays ``modules.callbacks.drift_score.DriftDetector`` offline on
+them (other thresholds can be tried without training again).
+
+Definitions (per run):
+* collapse: the held-out sampled reward of the final policy is below the warm start's, or the
+  run stopped on non-finite losses; the collapse *step* is the first step at which the training
+  reward's EMA (``train/reward_ema``) falls ``--drop`` below its running maximum (the held-out
+  curve is too coarse to date it), or, for a slow slide that never drops that far, the first
+  step from which the EMA stays below the mean training reward of the first 10 steps
+  (``collapse_rule`` says which dated it: ``drop``, then ``stopped`` for a run that ended on
+  non-finite losses, then ``below_start``);
+* lead time: collapse step minus the first alarm step (positive: the alarm came first);
+* false alarm: an alarm in a run that did not collapse and that no controller acted on (a
+  controlled run that did not collapse after acting on an alarm is counted as ``acted``).
+
+Runs are ``lab.modes`` runs (same post-hoc held-out curve); writes ``result.json`` with
+the K x correction table (final reward mean and spread over seeds, collapse yes/no and step)
+and the detector's lead times and false alarms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import shutil
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+from lab import run_store
+from lab.modes import read_metrics, run_dir_name, run_recipe
+from modules.callbacks.drift_score import DriftDetector
+
+ROOT = Path(__file__).resolve().parents[1]
+CORRECTIONS = ["none", "token_is", "tis", "tseq_is", "geo_seq_is", "icepop", "ds_seq_mask"]
+MISMATCH = ["none", "tis", "mis", "icepop"]
+
+
+def cell_spec(lag: int, correction: str, extra: list[str] | None = None, controller: bool = False) -> str:
+    drift = "controller" if controller else "monitor"
+    parts = [f"callbacks.weight_sync.lag={lag}", f"algo/correction={correction}", f"callbacks/drift={drift}"]
+    if correction != "none":
+        parts.append("algo.loss.anchor=decoupled")
+    return "sync_grpo:" + ",".join([*parts, *(extra or [])])
+
+
+def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
+    """First step whose training-reward EMA is ``drop`` below its running maximum."""
+    best = -math.inf
+    for r in rows:
+        if not r.get("train/reward_ema"):
+            continue
+        x = float(r["train/reward_ema"])
+        best = max(best, x)
+        if x <= best - drop:
+            return int(r["step"])
+    return None
+
+
+def below_start_step(rows: list[dict[str, str]], warmup: int = 10) -> int | None:
+    """First step from which the training-reward EMA stays below the mean training reward of
+    the first ``warmup`` trained steps until the end of the run (the training-side twin of
+    "held-out reward below the warm start"); dates a slide that never drops ``--drop`` below
+    its peak."""
+    raw = [(int(r["step"]), float(r["train/reward_mean"])) for r in rows if r.get("train/reward_mean")]
+    raw = raw[:warmup]
+    if len(raw) < warmup:
+        return None
+    start, warm_end = statistics.fmean(x for _, x in raw), raw[-1][0]
+    since = None  # only after the reference window: a date inside it could precede any alarm
+    for r in rows:
+        if r.get("train/reward_ema") and int(r["step"]) > warm_end:
+            x = float(r["train/reward_ema"])
+            since = (since if since is not None else int(r["step"])) if x < start else None
+    return since
+
+
+def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
+    """First alarm step of a fresh detector fed the run's logged metrics step by step, as the
+    monitor feeds it: trained steps only, the baseline from the step the delayed sync's lag
+    reached K (the ceilings from the first step)."""
+    det = DriftDetector(**detector)
+    by_step: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("step"):
+            values = {k: float(v) for k, v in r.items() if v not in ("", None)}
+            by_step.setdefault(int(r["step"]), {}).update(values)
+    ramped = lag == 0
+    for step in sorted(by_step):
+        m = by_step[step]
+        if "train/loss" not in m:
+            continue  # not a trained step (an evaluation row)
+        ramped = ramped or m.get("rollout/staleness_max", 0.0) >= lag  # the configured K
+        if det.update(m, learn=ramped).alarm:
+            return step
+    return None
+
+
+def spec_overrides(spec: str) -> dict[str, str]:
+    """A cell spec's overrides, key -> value, in order ('sync_grpo:a=1,b=2' -> {a: 1, b: 2})."""
+    return dict(part.partition("=")[::2] for part in spec.partition(":")[2].split(","))
+
+
+def lag_of(spec: str) -> int:
+    return int(spec_overrides(spec).get("callbacks.weight_sync.lag", 0))
+
+
+def analyze_run(run_dir: Path, start: float, drop: float, detector: dict, lag: int = 0) -> dict:
+    """One run directory's outcome (see ``outcome``)."""
+    return outcome(*dir_run(run_dir), start, drop, detector, lag)
+
+
+def dir_run(run_dir: Path) -> tuple[list[dict[str, str]], dict | None]:
+    """A run directory's metrics rows and final held-out evaluation (None: there is none)."""
+    rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
+    summary_path = run_dir / "eval_summary.json"
+    last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else None
+    return rows, last
+
+
+def is_finished(run_dir: Path) -> bool:
+    """A run wrote its last two files: the post-hoc held-out curve, then the summary read from it."""
+    return all((run_dir / f).exists() for f in ("heldout_curve.json", "eval_summary.json"))
+
+
+def find_run(
+    out: Path, spec: str, seed: int, stored: dict | None
+) -> tuple[list[dict[str, str]], dict | None] | None:
+    """A run's (rows, last): from the store first, else from its directory under ``out``.
+    Without a store, a directory with no held-out curve is a run that stopped early (non-finite
+    losses); with one (which holds such runs), it is unfinished (still going, crashed, killed):
+    None, as for a run that is nowhere."""
+    if stored and (spec, seed) in stored:
+        return stored[(spec, seed)]["rows"], stored[(spec, seed)]["last"]
+    run_dir = out / run_dir_name(spec) / f"seed{seed}"
+    if (run_dir / "metrics.csv").exists() and (is_finished(run_dir) or stored is None):
+        return dir_run(run_dir)
+    return None
+
+
+def outcome(
+    rows: list[dict[str, str]],
+    last: dict | None,
+    start: float,
+    drop: float,
+    detector: dict,
+    lag: int = 0,
+) -> dict:
+    """One run's outcome from its metrics rows and final held-out evaluation. A run with no
+    final evaluation (``last`` None) stopped early (non-finite losses): a collapse dated at its
+    last logged step."""
+    stopped = last is None
+    last = last or {}
+    final = last.get("eval/sampled_reward_mean", float("nan"))
+    collapsed = not final >= start
+    c_step, rule = None, None
+    if collapsed:
+        c_step, rule = collapse_step(rows, drop), "drop"
+        if c_step is None and stopped:
+            c_step, rule = max((int(r["step"]) for r in rows if r.get("step")), default=0), "stopped"
+        if c_step is None:
+            c_step, rule = below_start_step(rows), "below_start"
+        if c_step is None:
+            rule = None
+    alarm = replay(rows, lag, **detector)
+    acted = any(float(r.get("controller/notches") or 0) > 0 for r in rows)
+    return {
+        "final_sampled": final,
+        "collapsed": collapsed,
+        "collapse_step": c_step,
+        "collapse_rule": rule,
+        "first_alarm": alarm,
+        "lead_steps": (c_step - alarm) if (c_step is not None and alarm is not None) else None,
+        # a run the controller acted on did not collapse *because* of the alarm: not a false one
+        "acted": acted,
+        "false_alarm": None if acted else (not collapsed) and alarm is not None,
+        "greedy": last.get("eval/reward_mean", float("nan")),
+        "diagnostics": diagnostics(rows, lag),
+    }
+
+
+DIAGNOSTICS = ("is/ess_frac", "is/zeroed_frac", "train/kl_behavior", "train/clip_frac", "train/grad_norm")
+
+
+def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
+    """Medians of the estimator's diagnostics over the trained steps at the full lag (the
+    delayed sync's ramp, staleness < K, excluded), and the largest importance weight seen."""
+    steady = [
+        r
+        for r in rows
+        if r.get("step") and r.get("train/loss") and float(r.get("rollout/staleness_max") or 0.0) >= lag
+    ]
+    out = {}
+    for key in DIAGNOSTICS:
+        values = [float(r[key]) for r in steady if r.get(key)]
+        out[key] = statistics.median(values) if values else float("nan")
+    weights = [float(r["is/weight_max"]) for r in steady if r.get("is/weight_max")]
+    out["is/weight_max"] = max(weights) if weights else float("nan")
+    return out
+
+
+def start_reward(out: Path, stored: dict | None = None) -> float:
+    """The warm start's held-out sampled reward: the initial evaluations cached under ``out``
+    and the one each stored run began from, which must agree to 1e-6 (a rebuilt warm start
+    that differs would make the runs incomparable); NaN with none of them."""
+    starts = [rec["start_sampled"] for rec in (stored or {}).values()]
+    starts += [
+        json.loads(p.read_text())["metrics"]["eval/sampled_reward_mean"]
+        for p in (out / "initial_eval").glob("*.json")
+    ]
+    distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
+    if len(distinct) > 1:
+        raise SystemExit(
+            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable"
+        )
+    return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
+
+
+def table(
+    out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict, stored: dict | None = None
+) -> dict:
+    """The cells' outcomes from the ``stored`` records (``lab.run_store.load``) and the
+    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks."""
+    cells = {}
+    start = start_reward(out, stored)
+    for spec in specs:
+        runs, missing = [], []
+        for seed in seeds:
+            found = find_run(out, spec, seed, stored)
+            if found is None:
+                missing.append(seed)
+                continue
+            if math.isnan(start):
+                raise SystemExit(f"no warm-start evaluation under {out / 'initial_eval'} nor in the store")
+            runs.append({"seed": seed, **outcome(*found, start, drop, detector, lag_of(spec))})
+        if not runs:
+            continue
+        # a run that stopped early (non-finite losses) has no final evaluation: counted as a
+        # collapse, left out of the mean
+        finals = [r["final_sampled"] for r in runs if math.isfinite(r["final_sampled"])] or [math.nan]
+        greedy = [r["greedy"] for r in runs if math.isfinite(r["greedy"])] or [math.nan]
+        leads = [r["lead_steps"] for r in runs if r["lead_steps"] is not None]
+        by_rule = [(r["collapse_rule"], r["lead_steps"]) for r in runs if r["lead_steps"] is not None]
+        cells[spec] = {
+            "final_sampled_mean": statistics.fmean(finals),
+            "final_sampled_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "greedy_mean": statistics.fmean(greedy),
+            "unevaluated": sum(not math.isfinite(r["final_sampled"]) for r in runs),
+            "diagnostics": {
+                key: statistics.fmean(r["diagnostics"][key] for r in runs) for key in runs[0]["diagnostics"]
+            },
+            "collapsed": sum(r["collapsed"] for r in runs),
+            "collapse_steps": [r["collapse_step"] for r in runs if r["collapsed"]],
+            "lead_steps": leads,
+            "lead_steps_by_rule": {rule: [x for q, x in by_rule if q == rule] for rule, _ in by_rule},
+            "missed_collapses": sum(r["collapsed"] and r["first_alarm"] is None for r in runs),
+            "false_alarms": sum(bool(r["false_alarm"]) for r in runs),
+            "acted": sum(r["acted"] for r in runs),
+            "n": len(runs),
+            "missing_seeds": missing,
+            "runs": runs,
+        }
+    # runs that did not collapse and that no controller steered: where an alarm is a false one
+    healthy = sum(1 for c in cells.values() for r in c["runs"] if not r["collapsed"] and not r["acted"])
+    return {
+        "cells": cells,
+        "detector": detector,
+        "false_alarm_rate": sum(c["false_alarms"] for c in cells.values()) / healthy if healthy else None,
+        "lead_steps_all": [x for c in cells.values() for x in c["lead_steps"]],
+    }
+
+
+def pending_seeds(out: Path, spec: str, seeds: list[int], stored: dict | None = None) -> list[int]:
+    """The seeds of ``spec`` with no finished run under ``out`` (finished: its post-hoc held-out
+    curve was written, the last thing a run does) nor in the ``stored`` records; a partial
+    directory left by a killed run is removed, so that the rerun starts clean."""
+    todo = []
+    for seed in seeds:
+        run_dir = out / run_dir_name(spec) / f"seed{seed}"
+        if is_finished(run_dir) or (spec, seed) in (stored or {}):
+            continue
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        todo.append(seed)
+    return todo
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, spec: str, seed: int) -> Iterator[bool]:
+    """Hold ``seed<N>.lock`` beside the run's directory while it runs; yields False when
+    another worker holds it (two workers on one run would write into one directory). The lock
+    is the OS's (``flock``): a killed worker releases it."""
+    path = out / run_dir_name(spec) / f"seed{seed}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict, setup: dict) -> None:
+    """Append ``spec``'s finished runs that the store lacks: those with a held-out evaluation, and
+    those that stopped on non-finite losses (``run_recipe``'s ``diverged``: an outcome of the
+    experiment); a run that failed otherwise (an engine crash, a kill) is not stored, so
+    ``--resume`` runs it again."""
+    for result in results:
+        seed = result["seed"]
+        run_dir = out / run_dir_name(spec) / f"seed{seed}"
+        finished = is_finished(run_dir)
+        if (spec, seed) in stored or not (finished or result.get("diverged")):
+            continue
+        rec = run_store.record(run_dir, spec, seed, setup, None if finished else result["error"])
+        run_store.append(store, rec)
+        stored[(spec, seed)] = rec
+
+
+def sweep(out: Path, specs: list[str], seeds: list[int], store: Path, stored: dict, setup: dict) -> None:
+    """Store the finished runs under ``out`` that the store lacks (a worker killed between
+    finishing a run and storing it), each under its run lock: a run another worker holds may be
+    between its last two files, and is left to that worker to store."""
+    for spec in specs:
+        for seed in seeds:
+            with run_lock(out, spec, seed) as mine:
+                if mine:
+                    archive(out, spec, [{"seed": seed}], store, stored, setup)
+
+
+def check_setup(stored: dict, specs: list[str], setup: dict) -> None:
+    """Refuse a store whose runs of these cells ran with other overrides or evaluation interval:
+    ``--resume`` would skip them and the table would mix two experiments."""
+    for (spec, seed), rec in stored.items():
+        theirs = {k: rec.get(k) for k in ("overrides", "eval_every")}
+        ours = {k: setup[k] for k in theirs}
+        if spec in specs and theirs != ours:
+            raise SystemExit(
+                f"the store's {short(spec)} seed {seed} ran with {theirs}, this command has {ours}"
+            )
+
+
+def short(spec: str) -> str:
+    """'K=8 tis decoupled +controller' for a cell spec."""
+    out = []
+    for key, value in spec_overrides(spec).items():
+        if key == "callbacks.weight_sync.lag":
+            out.append(f"K={value}")
+        elif key in ("algo/correction", "algo.loss.anchor"):
+            out.append(value)
+        elif key == "callbacks/drift":
+            out.append("+controller" if value == "controller" else "")
+        else:
+            out.append(f"{key}={value}")
+    return " ".join(o for o in out if o)
+
+
+def reward_text(cell: dict) -> str:
+    """One cell of the reward table: mean +- sd (n evaluated), stopped runs, collapses."""
+    n = cell["n"] - cell["unevaluated"]
+    text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({n})" if n else "-"
+    if cell["unevaluated"]:
+        text += f", {cell['unevaluated']} stopped"
+    if cell["collapsed"]:
+        steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
+        text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
+    return text
+
+
+def diagnostics_text(cell: dict) -> str:
+    d = cell["diagnostics"]
+    return f"{d['is/ess_frac']:.2f} / {d['train/kl_behavior']:.3f} / {d['train/clip_frac']:.2f}"
+
+
+def markdown(cells: dict[str, dict], start: float) -> str:
+    """The lag x correction table of a ``table`` result as Markdown: final held-out sampled
+    reward (mean +- sd over seeds, n), collapses (count and dated steps); then the estimator's
+    diagnostics per cell (means over seeds of the per-run medians at full lag)."""
+    grid: dict[tuple[str, str], dict] = {}
+    for spec, cell in cells.items():
+        parts = spec_overrides(spec)
+        row = f"K = {parts.get('callbacks.weight_sync.lag', '0')}"
+        row += " (bf16 engine)" if parts.get("engine.dtype") == "bfloat16" else ""
+        row += " + controller" if parts.get("callbacks/drift") == "controller" else ""
+        grid[(row, parts["algo/correction"])] = cell
+    rows = list(dict.fromkeys(r for r, _ in grid))
+    used = {c for _, c in grid}
+    cols = [c for c in dict.fromkeys([*CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
+    titles = {
+        reward_text: "Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the "
+        f"warm start ({start:.3f})",
+        diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
+        "behaviour KL / clip fraction",
+    }
+    lines: list[str] = []
+    for fmt, title in titles.items():
+        lines += ["", title, "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for row in rows:
+            out = [fmt(grid[(row, col)]) if (row, col) in grid else "" for col in cols]
+            lines.append(f"| {row} | " + " | ".join(out) + " |")
+    return "\n".join(lines[1:])
+
+
+TRAJECTORY_KEYS = ("train/reward_ema", "train/kl_behavior", "train/clip_frac", "drift/score")
+
+
+def plot_trajectories(runs: dict[str, list[dict[str, str]]], path: Path) -> None:
+    """One line per run (label -> metrics rows) for each diagnostic over training steps (log
+    scale for the KL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TRAJECTORY_KEYS), figsize=(4.2 * len(TRAJECTORY_KEYS), 3.6))
+    for label, rows in runs.items():
+        rows = [r for r in rows if r.get("step") and r.get("train/loss")]
+        for ax, key in zip(axes, TRAJECTORY_KEYS):
+            pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+            ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], label=label, lw=1)
+    for ax, key in zip(axes, TRAJECTORY_KEYS):
+        ax.set_title(key)
+        ax.set_xlabel("optimizer step")
+        if key == "train/kl_behavior":
+            ax.set_yscale("log")
+            ax.axhline(0.2, color="k", ls=":", lw=0.8)  # the detector's ceiling
+        if key == "drift/score":
+            ax.axhline(4.0, color="k", ls=":", lw=0.8)  # the alarm threshold
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    parser.add_argument("--corrections", nargs="+", default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--mismatch", action="store_true", help="bf16 engine at lag 0 instead of the grid")
+    parser.add_argument("--controller", action="store_true", help="add callbacks/drift=controller")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--drop", type=float, default=0.15, help="reward-EMA drop that dates a collapse")
+    parser.add_argument("--threshold", type=float, default=4.0)
+    parser.add_argument("--patience", type=int, default=2)
+    parser.add_argument("--analyze", type=Path, help="only re-read the runs under this directory")
+    parser.add_argument(
+        "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
+    )
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the cells' seeds finished under --out or held by --store, rerun the rest",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "drift")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        help="a committed JSONL of finished runs (lab/run_store.py): appended to as runs "
+        "finish, skipped by --resume, read by --analyze with the run directories",
+    )
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
+    args = parser.parse_args()
+    ctl = args.controller
+    if args.mismatch:
+        specs = [cell_spec(0, c, ["engine.dtype=bfloat16"], ctl) for c in args.corrections or MISMATCH]
+    else:
+        specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.corrections or CORRECTIONS]
+    if args.replay:  # false alarms on runs of any recipe (their metrics.csv)
+        detector = {"threshold": args.threshold, "patience": args.patience}
+        runs = [r for r in args.replay if (r / "metrics.csv").exists()]
+        alarms = {str(r): replay(read_metrics(r), 0, **detector) for r in runs}
+        fired = {k: v for k, v in alarms.items() if v is not None}
+        print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
+        return
+    out = args.analyze or args.out
+    stored = run_store.load(args.store) if args.store else None
+    if stored is not None:
+        if not args.eval_every:
+            parser.error("--store needs --eval-every > 0 (a run is stored once its held-out curve exists)")
+        setup = {"overrides": args.overrides, "eval_every": args.eval_every, "commit": run_store.commit()}
+        check_setup(stored, specs, setup)
+        sweep(out, specs, args.seeds, args.store, stored, setup)
+    if not args.analyze:
+        for spec in specs:
+            for seed in args.seeds:  # one at a time: each run is stored as soon as it ends
+                with run_lock(out, spec, seed) as mine:
+                    # another worker has it, or (decided under the lock) it is already done
+                    if not mine or (args.resume and not pending_seeds(out, spec, [seed], stored)):
+                        continue
+                    results = run_recipe(
+                        spec,
+                        [seed],
+                        out,
+                        args.overrides,
+                        args.eval_every,
+                        prune_checkpoints=True,
+                        keep_going=True,
+                    )
+                    if stored is not None:
+                        archive(out, spec, results, args.store, stored, setup)
+    detector = {"threshold": args.threshold, "patience": args.patience}
+    result = table(out, specs, args.seeds, args.drop, detector, stored)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    runs = {}
+    for spec in specs:
+        for seed in args.seeds:
+            found = find_run(out, spec, seed, stored)
+            if found is not None:
+                runs[f"{short(spec)} s{seed}"] = found[0]
+    if runs:
+        plot_trajectories(runs, out / "trajectories.png")
+    print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

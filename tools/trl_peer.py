@@ -1,0 +1,276 @@
+"""TRL's GRPOTrainer on the project's task, matched to ``recipe=sync_grpo``: the peer benchmark.
+
+    make trl-venv                                                     # once: TRL in .venv-trl
+    .venv-trl/bin/python -m tools.trl_peer --run-dir outputs/bench/trl/seed0 --seed 0
+    python -m tools.heldout_curve outputs/bench/trl/seed0        # held-out reward curve
+    python -m lab.modes --recipes trl sync_grpo async_grpo --reference trl   # all of it
+
+Runs in TRL's own venv (``make trl-venv``: the project's torch / transformers / vLLM plus TRL),
+never in the project's. The settings come from the project's own composed config
+(``recipe=sync_grpo`` + ``seed`` + any overrides after ``--``), mapped field by field:
+
+    model.path (SFT warm start, float32, dropout off)  -> model, disable_dropout=True
+    prompts: the task's train split in the order of the project's PromptStream(seed), P per step
+    rollout.group_size G, P x G completions per step   -> num_generations, per_device_train_batch_size
+    rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
+    the task's reward (``task.reward(row, text)``)     -> the one reward function
+    algo: group advantages scaled by std, PPO clip eps, token-mean loss, 1 minibatch x
+          1 epoch                                      -> scale_rewards="group", epsilon,
+                                                          loss_type="dapo", num_iterations=1
+    algo.loss.kl_coef (k3 to module.ref_model_path = the warm start, in the loss)
+                                                       -> beta, use_bias_correction_kl=True:
+          TRL's per-token beta * k3 * ratio has value k3 and gradient -log(rho) grad log pi, the
+          project's k3 term's gradient; both are token means, so they match term for term
+    module.optimizer (AdamW lr, betas, weight decay), constant lr, trainer.gradient_clip_val
+    trainer.max_steps                                  -> max_steps
+
+Differences that remain: TRL generates with plain ``transformers`` ``generate`` in the training
+process (both cores, ``--threads``), where the project uses its vLLM engine on its own core;
+TRL's group std is the sample std (the project's: population std); TRL's sampling seeds
+differ from the engine's. Settings TRL cannot mirror (other corrections, decoupled anchor,
+several minibatches, a KL other than k3 to the starting model) are refused with the field
+named.
+
+Writes a run directory that ``tools.heldout_curve`` and ``lab.modes`` read like a
+``train.py`` run: ``.hydra/overrides.yaml`` (the project overrides the settings came from, so
+evaluation uses the same held-out prompts and engine), ``metrics.csv`` (per step:
+``perf/wall_s`` = seconds since training began with snapshot saving excluded,
+``perf/samples_total``, ``perf/samples_per_s``, ``train/reward_mean``,
+``train/response_len_mean``), snapshots ``checkpoints/step=N.ckpt`` every ``--save-every``
+steps and ``hf_model/`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+MATCHED = {  # project fields TRL can mirror only at these values
+    "algo.minibatches": 1,
+    "algo.epochs": 1,
+    "algo.loss.anchor": "bypass",
+    "algo.loss.aggregation": "token_mean",
+    "algo.kl_reward.coef": 0.0,
+    "algo.advantage.scale_by_std": True,
+    "data.sync_every": 1,
+}
+
+
+def check_matchable(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    for field, allowed in MATCHED.items():
+        value = OmegaConf.select(cfg, field)
+        if value != allowed:
+            raise SystemExit(f"{field}={value!r}: the TRL peer mirrors only {field}={allowed!r}")
+    if float(cfg.algo.loss.kl_coef) > 0:  # TRL's beta: per-token k3 to the initial model, in the loss
+        if cfg.algo.loss.kl_kind != "k3":
+            raise SystemExit(f"algo.loss.kl_kind={cfg.algo.loss.kl_kind!r}: the TRL peer mirrors only k3")
+        if str(cfg.module.ref_model_path) != str(cfg.module.model_path):
+            raise SystemExit(
+                f"module.ref_model_path={cfg.module.ref_model_path!r}: the TRL peer's reference is the "
+                f"starting model, module.model_path={cfg.module.model_path!r}"
+            )
+    if cfg.algo.correction._target_ != "modules.algo.corrections.NoCorrection":
+        raise SystemExit("algo/correction: the TRL peer mirrors only algo/correction=none")
+    if not str(cfg.algo.objective._target_).endswith("ppo_clip"):
+        raise SystemExit("algo/objective: the TRL peer mirrors only algo/objective=ppo_clip")
+
+
+def snapshot(model: torch.nn.Module, path: Path, step: int) -> None:
+    """The weights as a Lightning-style checkpoint ``tools.heldout_curve`` can read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"policy.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "asyncrl": {"policy_version": step}}, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=5, help="steps between weight snapshots")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument(
+        "overrides", nargs="*", help="project overrides (after --), e.g. trainer.max_steps=30"
+    )
+    args = parser.parse_args()
+
+    from datasets import Dataset
+    from hydra.utils import instantiate
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data.rollout.prompts import PromptStream
+    from modules.launch.compose import compose
+    from modules.policy.hf_policy import disable_dropout, load_policy
+
+    overrides = ["recipe=sync_grpo", f"seed={args.seed}", *args.overrides]
+    run_dir = args.run_dir.resolve()
+    cfg = compose(overrides, output_dir=str(run_dir))
+    check_matchable(cfg)
+    torch.set_num_threads(args.threads)
+    task = instantiate(cfg.task)
+    rollout = instantiate(cfg.rollout)
+    p, g = int(rollout.prompts_per_step), int(rollout.group_size)
+    steps = int(cfg.trainer.max_steps)
+    stream = PromptStream(list(task.build("train", cfg.data.train_size)), seed=cfg.seed)
+    rows = [stream.next() for _ in range(p * steps)]  # the project's prompt order
+    by_id = {int(r["id"]): r for r in rows}
+    dataset = Dataset.from_list([{"prompt": task.prompt_text(r), "row_id": int(r["id"])} for r in rows])
+
+    def reward(prompts: list, completions: list, row_id: list, **_: Any) -> list[float]:
+        return [float(task.reward(by_id[int(i)], text)) for i, text in zip(row_id, completions)]
+
+    reward.__name__ = "task_reward"
+    model, tokenizer = load_policy(cfg.model.path)
+    disable_dropout(model)
+    sampling = rollout.sampling
+    opt = cfg.module.optimizer
+    eps = cfg.algo.objective
+    config = GRPOConfig(
+        output_dir=str(run_dir / "trl"),
+        max_steps=steps,
+        per_device_train_batch_size=p * g,
+        num_generations=g,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=int(sampling.max_tokens),
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k) if int(sampling.top_k) > 0 else 0,
+        beta=float(cfg.algo.loss.kl_coef),
+        use_bias_correction_kl=True,  # explicit: the gradient match above depends on it
+        epsilon=float(eps.eps_low),
+        epsilon_high=float(eps.eps_high),
+        loss_type="dapo",  # token mean over the step's tokens = algo.loss.aggregation=token_mean
+        scale_rewards="group",
+        learning_rate=float(opt.lr),
+        adam_beta1=float(opt.betas[0]),
+        adam_beta2=float(opt.betas[1]),
+        weight_decay=float(opt.weight_decay),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=float(cfg.trainer.gradient_clip_val),
+        optim="adamw_torch",
+        shuffle_dataset=False,
+        disable_dropout=True,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=int(cfg.seed),
+        data_seed=int(cfg.seed),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+    class Clock(TrainerCallback):
+        """Per-step wall time since training began, snapshot saving excluded."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.excluded = 0.0
+            self.rows: list[dict[str, float]] = []
+            self.last_log: dict[str, float] = {}
+
+        def on_train_begin(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t0 = time.perf_counter()
+            self.excluded = time.perf_counter()
+            snapshot(kw["model"], run_dir / "checkpoints" / "step=0.ckpt", 0)
+            self.excluded = time.perf_counter() - self.excluded
+
+        def on_log(self, args_: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            if not logs or "loss" not in logs:  # the end-of-training summary is not a step
+                return
+            if state.global_step and self.rows and self.rows[-1]["step"] == state.global_step - 1:
+                row = self.rows[-1]
+                row["train/reward_mean"] = logs.get("reward", row.get("train/reward_mean", float("nan")))
+                row["train/response_len_mean"] = logs.get("completions/mean_length", float("nan"))
+                row["train/loss"] = logs.get("loss", float("nan"))
+
+        def on_step_end(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
+            wall = time.perf_counter() - self.t0 - self.excluded
+            n = state.global_step
+            self.rows.append(
+                {
+                    "step": n - 1,
+                    "perf/wall_s": wall,
+                    "perf/samples_total": n * p * g,
+                    "perf/samples_per_s": n * p * g / wall,
+                }
+            )
+            if n % args.save_every == 0 or n == steps:
+                t = time.perf_counter()
+                snapshot(kw["model"], run_dir / "checkpoints" / f"step={n}.ckpt", n)
+                self.excluded += time.perf_counter() - t
+
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    model.save_pretrained(run_dir / "hf_model", safe_serialization=True)
+    tokenizer.save_pretrained(run_dir / "hf_model")
+    write_run(run_dir, overrides, clock.rows)
+    last = clock.rows[-1]
+    print(
+        json.dumps(
+            {
+                "run_dir": str(run_dir),
+                "steps": steps,
+                "train_wall_s": last["perf/wall_s"],
+                "samples_per_s": last["perf/samples_per_s"],
+                "threads": args.threads,
+            }
+        )
+    )
+
+
+# Keys lab.modes reads from every run; TRL has no staleness, no weight sync, no engine.
+CONSTANT_KEYS = {
+    "rollout/staleness_mean": 0.0,
+    "rollout/staleness_max": 0.0,
+    "rollout/staleness_frac_0": 1.0,
+    "rollout/staleness_frac_1": 0.0,
+    "rollout/staleness_frac_2": 0.0,
+    "rollout/staleness_frac_3plus": 0.0,
+    "perf/weight_sync_s": 0.0,
+    "perf/weight_sync_max_abs_diff": 0.0,
+    "perf/trainer_idle_frac": float("nan"),
+    "perf/engine_idle_frac": float("nan"),
+    "perf/tokens_per_s": float("nan"),
+    "bias/len_kl_trained_vs_issued": 0.0,
+    "bias/level_kl_trained_vs_issued": 0.0,
+}
+
+
+def write_run(run_dir: Path, overrides: list[str], rows: list[dict[str, float]]) -> None:
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    rows = [{**CONSTANT_KEYS, **r} for r in rows]
+    keys = sorted({k for r in rows for k in r})
+    with open(run_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
