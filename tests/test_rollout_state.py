@@ -61,7 +61,7 @@ def test_admission_counters_survive_a_checkpoint():
     a.next_batch()  # one of the version's two batches taken
     b = bound(streaming(staleness=Admit()), SimEngine())
     b.load_state_dict(a.state_dict())
-    assert (b._taken_at, b._taken_count) == (a._taken_at, a._taken_count) == (0, 1)
+    assert (b.bound.taken_at, b.bound.taken_count) == (a.bound.taken_at, a.bound.taken_count) == (0, 1)
 
 
 @pytest.mark.parametrize("policy", [Admit, Throttle])

@@ -19,6 +19,7 @@ from data.rollout.experience import Experience
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import RewardRunner, RewardWorkerError
 from data.rollout.shaping import InformativeGroups, Overlong
+from data.rollout.staleness import StalenessBound
 from modules.engine.types import Completion, Engine, SamplingConfig
 from modules.launch.config_errors import check, check_choice
 
@@ -70,12 +71,9 @@ class RolloutController:
 
     # What requests still generating do when weights change (``Engine.update_weights``).
     inflight = "keep"
-    # True when the controller counts rollout batches per policy version itself (Admit).
-    admission_control = False
-    # True when group starts are bounded by batches per version (Admit, Throttle).
-    counts_versions = False
-    # Policy versions a trained group may lag (None: nothing is ever stale, the sync barrier).
-    max_staleness: int | None = None
+    # Every staleness decision of a mode that can train stale groups (partial, streaming);
+    # None behind the sync barrier, where nothing is ever stale.
+    bound: StalenessBound | None = None
     # The trainer's version when it differs from the engine's (a delayed sync, sync mode only).
     trainer_version: int | None = None
 
@@ -139,13 +137,40 @@ class RolloutController:
         self.reward_timeout_s: float | None = None
         self.reward_error_count = 0
         self._rewards: RewardRunner | None = None  # worker processes, only with a timeout
-        self.batches_per_version = 1  # rollout batches per weight sync (data.sync_every)
+        self._batches_per_version = 1  # rollout batches per weight sync (data.sync_every)
         # Held while a checkpoint snapshots the controller and the prompt cursor together.
         self.lock: AbstractContextManager = threading.RLock()
 
+    @property
+    def max_staleness(self) -> int | None:
+        """Policy versions a trained group may lag (None: unbounded, or the sync barrier)."""
+        return None if self.bound is None else self.bound.max_staleness
+
     def set_max_staleness(self, value: int) -> None:
         """Move the staleness bound at run time (``modules.callbacks.drift_controller``)."""
-        self.max_staleness = value
+        if self.bound is not None:
+            self.bound.max_staleness = value
+
+    @property
+    def admission_control(self) -> bool:
+        """The trainer waits for groups that are due (``rollout/staleness=admit``)."""
+        return self.bound is not None and self.bound.waits_for_due
+
+    @property
+    def counts_versions(self) -> bool:
+        """Group starts are bounded by batches per version (``admit``, ``throttle``)."""
+        return self.bound is not None and self.bound.throttles
+
+    @property
+    def batches_per_version(self) -> int:
+        """Rollout batches per weight sync (``data.sync_every``)."""
+        return self._batches_per_version
+
+    @batches_per_version.setter
+    def batches_per_version(self, n: int) -> None:
+        self._batches_per_version = n
+        if self.bound is not None:
+            self.bound.batches_per_version = n
 
     def check_advantage(self, advantage: Any) -> None:
         """Raise ``ConfigError`` if this mode cannot use ``advantage`` (start-up check)."""

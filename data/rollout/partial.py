@@ -49,7 +49,7 @@ class PartialRollout(StreamingRollout):
         sampling: SamplingConfig,
         over_provision: float | str = 2.0,
         inflight: str = "keep",
-        max_staleness: int = 1_000_000,
+        max_staleness: int | None = None,
         staleness: StalenessPolicy | None = None,
         wait_timeout_s: float = 600.0,
         group_filter: InformativeGroups | None = None,
@@ -78,7 +78,7 @@ class PartialRollout(StreamingRollout):
             buffer_capacity=n,
             inflight=inflight,
             wait_timeout_s=wait_timeout_s,
-            cancel_doomed=False,  # K is loose here (default unbounded): nothing is doomed
+            cancel_doomed=False,  # K is loose here (default None: unbounded): nothing is doomed
             group_filter=group_filter,
             overlong=overlong,
         )
@@ -94,7 +94,8 @@ class PartialRollout(StreamingRollout):
         if not concurrency:
             return 2 * p
         extra = min(math.ceil(concurrency / self.group_size), int(AUTO_MAX_EXTRA) * p)
-        return p + min(extra, min(self.max_staleness, 1_000) * p)
+        k = self.max_staleness
+        return p + (extra if k is None else min(extra, k * p))
 
     def alpha(self, concurrency: int | None) -> float:
         """The over-provisioning factor for ``concurrency`` (the configured one unless auto)."""
@@ -106,7 +107,7 @@ class PartialRollout(StreamingRollout):
 
     def set_max_staleness(self, value: int) -> None:
         """A new bound (``modules.callbacks.drift_controller``) also resizes auto's over-provisioning."""
-        self.max_staleness = value
+        self.bound.max_staleness = value
         if self.ctx is not None:
             self.max_inflight = self.buffer_capacity = self.groups_per_iteration(self.ctx.engine.concurrency)
         super().set_max_staleness(value)

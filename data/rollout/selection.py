@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.rollout.experience import Experience
+from data.rollout.staleness import StalenessBound
 
 
 @dataclass
@@ -45,9 +46,7 @@ class BatchView:
     units: int  # buffer entries per batch: P groups (or P x G single responses)
     issued_levels: Counter  # samples issued per difficulty level so far
     prompts_per_step: int
-    max_staleness: int
-    batches_per_version: int
-    taken: int  # batches already taken at this version
+    bound: StalenessBound  # K, the batches taken at this version, the due-group rule
 
 
 class BatchSelection(ABC):
@@ -87,15 +86,12 @@ class Stratified(BatchSelection):
 
 class Admission(BatchSelection):
     def choose(self, view: BatchView) -> list[Ready] | None:
-        k, p, version = view.max_staleness, view.prompts_per_step, view.version
+        p = view.prompts_per_step
         chosen = sorted(view.buffer, key=lambda r: (r.start_version, r.completed_at))[:p]
         if len(chosen) < p:
             return None
         left = [v for _, v in view.generating]
         left += [r.start_version for r in view.buffer if r not in chosen]
-        bpv, taken = view.batches_per_version, view.taken
-        for u in set(left):
-            # batches left through version u + K once this one is taken
-            if sum(s <= u for s in left) > ((u + k - version + 1) * bpv - taken - 1) * p:
-                return None
+        if not view.bound.leaves_room(left, view.version):
+            return None  # a group outstanding now could not be trained within K: wait for it
         return self.fill(chosen, view)

@@ -43,6 +43,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from data.rollout.staleness import trainable_groups
+
 
 @dataclass
 class Sizing:
@@ -59,7 +61,9 @@ class Sizing:
     def of(cls, ctl: Any, concurrency: int | None) -> Sizing:
         p, g = ctl.prompts_per_step, ctl.group_size
         # a version trains batches_per_version batches (data.sync_every)
-        trainable = p * ctl.batches_per_version * (min(ctl.max_staleness, 1_000) + 1)
+        # groups trainable within the bound if started now (the staleness bound's answer;
+        # auto sizing needs a bound: StreamingRollout refuses auto with max_staleness=null)
+        trainable = trainable_groups(p, ctl.batches_per_version, ctl.max_staleness)
         auto = ctl.max_inflight == "auto"
         if auto:
             inflight = min(math.ceil(concurrency / g), trainable) if concurrency else trainable

@@ -1,7 +1,12 @@
-"""What to do with a group older than ``max_staleness`` policy versions at consumption.
+"""Staleness, in one place: may a group start, may it be trained now, with what weight, and how
+many groups may be outstanding, for every rollout mode and staleness policy.
 
 Staleness of a sample = trainer's policy version when it is consumed minus the version of its
-oldest token. One small class per policy, selected by ``_target_`` (``rollout.staleness``).
+oldest token. ``StalenessBound`` (below) owns the bound K (``rollout.max_staleness``; None =
+unbounded, partial rollout's default; the sync barrier has nothing stale), the policy and the
+count of batches taken at the current version, and answers every staleness question the
+controllers, the selection rule and the sizing ask. What happens to a group past the bound is
+one small class per policy, selected by ``_target_`` (``rollout/staleness=<name>``):
 
 * ``Drop``: discard it (TRL / verl style); costs the generation it took.
 * ``Downweight``: train on it with weight ``gamma ** (staleness - max_staleness)``.
@@ -27,6 +32,8 @@ oldest token. One small class per policy, selected by ``_target_`` (``rollout.st
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
 
 from data.rollout.experience import Experience
 from modules.launch.config_errors import check
@@ -81,3 +88,126 @@ class Throttle(StalenessPolicy):
 
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         return group  # trained at its staleness; the correction sees it
+
+
+def trainable_groups(
+    prompts_per_step: int, batches_per_version: int, max_staleness: int | None
+) -> int | None:
+    """Groups that can still be trained within the bound when started now: the K + 1 versions
+    from this one train ``(K + 1) x batches_per_version`` batches of P groups (None: unbounded)."""
+    if max_staleness is None:
+        return None
+    return prompts_per_step * batches_per_version * (max_staleness + 1)
+
+
+class StalenessBound:
+    """The one object every mode asks about staleness (``rollout.max_staleness`` + ``rollout.staleness``).
+
+    * ``may_start``: may one more group start generating (``throttle`` / ``admit`` count what is
+      outstanding against the batches the next K + 1 versions train)?
+    * ``admit``: a group chosen for the batch, past the bound or not: the experiences to train
+      (with the policy's weight or recompute flag), or None (dropped).
+    * ``too_stale`` / ``doomed``: what ``drop`` discards from the buffer / cancels while generating.
+    * ``leaves_room``: admission control's check that taking a batch leaves every outstanding
+      group trainable within K.
+    * ``trainable_groups``: how many groups may be outstanding at all (the sizing's ceiling).
+    """
+
+    def __init__(
+        self,
+        max_staleness: int | None,
+        policy: StalenessPolicy,
+        prompts_per_step: int,
+        batches_per_version: int = 1,
+    ) -> None:
+        check(
+            "rollout.max_staleness",
+            max_staleness,
+            max_staleness is None
+            or (
+                isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0
+            ),
+            "null (unbounded) or an int >= 0 (policy versions)",
+        )
+        self.max_staleness = max_staleness
+        self.policy = policy
+        self.prompts_per_step = prompts_per_step
+        self.batches_per_version = batches_per_version
+        self.taken_at = -1  # version at which the last batch was taken
+        self.taken_count = 0  # batches taken at that version
+
+    # ------------------------------------------------------------------ what the policy is
+    @property
+    def waits_for_due(self) -> bool:
+        """The trainer waits for groups that are due (strict admission control, ``admit``)."""
+        return self.policy.admission_control
+
+    @property
+    def throttles(self) -> bool:
+        return self.policy.throttles and self.max_staleness is not None
+
+    @property
+    def drops(self) -> bool:
+        return self.policy.drops and self.max_staleness is not None
+
+    # ------------------------------------------------------------------ counting versions
+    def taken(self, version: int) -> int:
+        """Batches already taken at ``version``."""
+        return self.taken_count if self.taken_at == version else 0
+
+    def record_take(self, version: int) -> None:
+        self.taken_count = self.taken(version) + 1
+        self.taken_at = version
+
+    def trainable_groups(self) -> int | None:
+        return trainable_groups(self.prompts_per_step, self.batches_per_version, self.max_staleness)
+
+    # ------------------------------------------------------------------ the questions
+    def excess(self, version: int, start_version: int) -> int:
+        """Versions past the bound (0 within it, or with no bound)."""
+        if self.max_staleness is None:
+            return 0
+        return max(version - start_version - self.max_staleness, 0)
+
+    def may_start(self, outstanding: float, version: int) -> bool:
+        """A group started now (version v) must be trained by v + K: at most
+        ``((K + 1) x batches_per_version - taken) x P`` groups may be outstanding."""
+        if not self.throttles:
+            return True
+        slots = (self.max_staleness + 1) * self.batches_per_version - self.taken(version)
+        return outstanding < slots * self.prompts_per_step
+
+    def too_stale(self, version: int, start_version: int) -> bool:
+        """A dropping policy discards a buffered group past the bound."""
+        return self.drops and self.excess(version, start_version) > 0
+
+    def doomed(self, version: int, start_version: int) -> bool:
+        """A group still generating that a dropping policy will discard on arrival: its
+        submission is more than K + 1 versions old (a request starts at or after it)."""
+        return self.drops and version - start_version > self.max_staleness + 1
+
+    def admit(self, exps: list[Experience], version: int, start_version: int) -> list[Experience] | None:
+        """The group's experiences to train (weighted or flagged by the policy past the bound),
+        or None when the policy drops it."""
+        excess = self.excess(version, start_version)
+        if excess == 0 or self.waits_for_due:
+            return exps
+        return self.policy.apply(exps, excess)
+
+    def leaves_room(self, left: Iterable[int], version: int) -> bool:
+        """Admission control: after this batch, can every group still outstanding (start
+        versions ``left``) be trained within K? Counts, for each start version u, the groups
+        started at or before u against the batches left through version u + K."""
+        left = list(left)
+        k, p, bpv = self.max_staleness or 0, self.prompts_per_step, self.batches_per_version
+        taken = self.taken(version)
+        return all(
+            sum(s <= u for s in left) <= ((u + k - version + 1) * bpv - taken - 1) * p for u in set(left)
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"taken": [self.taken_at, self.taken_count]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.taken_at, self.taken_count = (int(x) for x in state.get("taken", (-1, 0)))

@@ -4,8 +4,8 @@
 as it finishes; a group enters the buffer when all G of its responses are in (a long response
 delays only its own group), or, with ``algo/advantage=running``, each response on its own. ``next_batch`` returns as
 soon as the batch selection rule (``selection.py``: FIFO, stratified, admission) has
-``prompts_per_step`` groups; groups whose staleness exceeds ``max_staleness`` go through the
-staleness policy (``staleness.py``). ``PartialRollout`` (``partial.py``) is the
+``prompts_per_step`` groups. Every staleness decision (may a group start, is it dropped,
+with what weight is it trained) is the ``StalenessBound``'s (``staleness.py``). ``PartialRollout`` (``partial.py``) is the
 over-provisioned, non-strict synchronous variant built on this class.
 
 Requests generating at a weight change (``inflight``): ``keep`` (in-flight update, spans record
@@ -33,7 +33,7 @@ from data.rollout.experience import Experience
 from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
-from data.rollout.staleness import Drop, StalenessPolicy
+from data.rollout.staleness import Drop, StalenessBound, StalenessPolicy
 from data.rollout.streaming_state import StreamingCheckpoint
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
 from modules.launch.config_errors import check, check_choice
@@ -54,7 +54,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         group_size: int,
         sampling: SamplingConfig,
         max_inflight: int | str = 32,
-        max_staleness: int = 1,
+        max_staleness: int | None = 1,
         staleness: StalenessPolicy | None = None,
         buffer_capacity: int | str = 64,
         max_age_s: float | None = None,
@@ -73,7 +73,14 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             max_inflight == "auto" or (isinstance(max_inflight, int) and max_inflight >= 1),
             "auto (rate-matched up to the engine's concurrency) or an int >= 1 (groups)",
         )
-        check("rollout.max_staleness", max_staleness, max_staleness >= 0, "an int >= 0 (policy versions)")
+        self.bound = StalenessBound(max_staleness, staleness or Drop(), prompts_per_step)
+        check(
+            "rollout.max_staleness",
+            max_staleness,
+            max_staleness is not None or "auto" not in (max_inflight, buffer_capacity),
+            "an int >= 0 with auto sizing (null, unbounded, needs int rollout.max_inflight and "
+            "rollout.buffer_capacity)",
+        )
         check(
             "rollout.buffer_capacity",
             buffer_capacity,
@@ -85,14 +92,10 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         check("rollout.max_age_s", max_age_s, max_age_s is None or max_age_s > 0, "null or a float > 0")
         self.max_inflight = max_inflight
         self.cancel_doomed = cancel_doomed
-        self.max_staleness = max_staleness
-        self.staleness = staleness or Drop()
         self.buffer_capacity = buffer_capacity
         self.max_age_s = max_age_s
         self.inflight = inflight
         self.wait_timeout_s = wait_timeout_s
-        self.admission_control = self.staleness.admission_control
-        self.counts_versions = self.staleness.throttles
         if self.admission_control:
             check(
                 "rollout.selection",
@@ -113,8 +116,6 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self._error: BaseException | None = None
         self._closed = False
         self.started_groups = 0
-        self._taken_at = -1  # engine version at which the last batch was taken
-        self._taken_count = 0  # batches taken at that version
         self._refused_since_take = self._wasted = 0  # refused since the last batch; dropped + refused
         counted = (
             "dropped",
@@ -158,16 +159,6 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
     # Generation starts in the first next_batch, not here: bind runs in datamodule.setup,
     # before Lightning restores a checkpoint and before the first weight sync.
 
-    def _admission_open(self) -> bool:
-        if not self.counts_versions:
-            return True
-        # A group started now (version v) must be trained by version v + K. Each version
-        # trains `batches_per_version` batches of P groups, and `taken` of this version's
-        # batches are gone, so at most ((K + 1) * bpv - taken) * P groups may be outstanding.
-        taken = self._taken_count if self._taken_at == self.ctx.engine.version else 0
-        slots = (self.max_staleness + 1) * self.batches_per_version - taken
-        return self._outstanding() < slots * self.prompts_per_step
-
     def _outstanding(self) -> float:
         """Groups generating or ready (a group partly released by a running baseline: its share)."""
         if self._units_per_group == 1:
@@ -177,7 +168,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
 
     def set_max_staleness(self, value: int) -> None:
         """A new bound resizes what may be outstanding (``P * (K + 1)`` of it is the bound's)."""
-        self.max_staleness = value
+        super().set_max_staleness(value)
         if self.ctx is not None:
             old = self._sizing
             self._sizing = Sizing.of(self, self.ctx.engine.concurrency)
@@ -193,7 +184,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         while (
             len(self._groups) < self._target_inflight()
             and self._outstanding() < self._sizing.outstanding
-            and self._admission_open()
+            and self.bound.may_start(self._outstanding(), self.ctx.engine.version)
         ):
             self._start_group()
 
@@ -326,14 +317,12 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                     self.bias.on_issue(r.level, -self.group_size)  # counted again when re-issued
         # 1) A dropping policy removes too-stale groups as soon as they are seen, and stops
         # generating the ones it would drop on arrival (their slots go to useful work).
-        if self.staleness.drops and self.cancel_doomed:
+        if self.cancel_doomed:
             self._cancel_doomed(version)
-        if self.staleness.drops:
-            for r in [r for r in self._buffer if version - r.start_version > self.max_staleness]:
-                self._buffer.remove(r)
-                self.counters["dropped"] += 1
+        for r in [r for r in self._buffer if self.bound.too_stale(version, r.start_version)]:
+            self._buffer.remove(r)
+            self.counters["dropped"] += 1
         # 2) Choose P groups by the selection rule (FIFO, stratified, admission).
-        taken = self._taken_count if self._taken_at == version else 0
         view = BatchView(
             buffer=self._buffer,
             generating=[(g.row.get("level"), g.start_version) for g in self._groups.values()],
@@ -341,22 +330,18 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             units=self._batch_units,
             issued_levels=self.bias.issued_levels,
             prompts_per_step=self.prompts_per_step,
-            max_staleness=self.max_staleness,
-            batches_per_version=self.batches_per_version,
-            taken=taken,
+            bound=self.bound,
         )
         chosen = self.selection.choose(view)
         if chosen is None:
             return None
-        self._taken_count = self._taken_count + 1 if self._taken_at == version else 1
-        self._taken_at = version
+        self.bound.record_take(version)
         out: list[Experience] = []
         for r in chosen:
             self._buffer.remove(r)
-            excess = version - r.start_version - self.max_staleness
-            if excess > 0 and not self.admission_control:
-                r.exps = self.staleness.apply(r.exps, excess) or []  # 3) downweight / recompute
-                self.counters["over_bound"] += 1 if r.exps else 0
+            past = self.bound.excess(version, r.start_version) > 0 and not self.admission_control
+            r.exps = self.bound.admit(r.exps, version, r.start_version) or []  # 3) weight / recompute
+            self.counters["over_bound"] += 1 if past and r.exps else 0
             for e in r.exps:
                 e.staleness = version - min(e.token_versions(), default=e.policy_version)
                 if e.weight != 1.0:
@@ -379,8 +364,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         from the oldest *generated* token, known only at completion; a request starts at or
         after its submission, so a group is doomed once its submission is more than K + 1
         versions old (exact while requests start within a version: no long engine queue)."""
-        k = self.max_staleness + 1
-        doomed = {gid for gid, g in self._groups.items() if version - g.start_version > k}
+        doomed = {gid for gid, g in self._groups.items() if self.bound.doomed(version, g.start_version)}
         if not doomed:
             return
         for fut, p in list(self._requests.items()):

@@ -25,7 +25,7 @@ class StreamingCheckpoint:
 
     def batches_taken_this_version(self) -> int:
         with self._cv:
-            return self._taken_count if self._taken_at == self.ctx.engine.version else 0
+            return self.bound.taken(self.ctx.engine.version)
 
     def outstanding_prompts(self) -> list[int]:
         """Row indexes of groups generating or buffered (oldest first), for checkpoints.
@@ -56,7 +56,7 @@ class StreamingCheckpoint:
             return {
                 **state,
                 "started_groups": self.started_groups,
-                "taken": [self._taken_at, self._taken_count],  # admission control's count
+                **self.bound.state_dict(),  # batches taken at this version (throttle, admit)
                 "trained_levels": [[k, v] for k, v in self._trained_levels.items()],  # reweighting
                 "counters": dict(self.counters),
             }
@@ -64,6 +64,6 @@ class StreamingCheckpoint:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.started_groups = int(state.get("started_groups", 0))
-        self._taken_at, self._taken_count = (int(x) for x in state.get("taken", (-1, 0)))
+        self.bound.load_state_dict(state)
         self._trained_levels = {k: v for k, v in state.get("trained_levels", [])}
         self.counters.update(state.get("counters", {}))
