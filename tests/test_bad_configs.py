@@ -105,6 +105,8 @@ def check_config(overrides: list[str]) -> None:
     validate(cfg)
     build(cfg.data)
     build(cfg.module)
+    for c in (cfg.get("callbacks") or {}).values():  # as train.py builds them, before fit
+        build(c)
 
 
 def test_there_are_at_least_30_distinct_bad_configs():

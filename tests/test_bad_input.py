@@ -21,6 +21,8 @@ def rejected(overrides: list[str]) -> str:
         validate(cfg)
         build(cfg.data)
         build(cfg.module)
+        for c in (cfg.get("callbacks") or {}).values():  # as train.py builds them, before fit
+            build(c)
     return str(info.value)
 
 

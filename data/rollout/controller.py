@@ -71,6 +71,8 @@ class RolloutController:
 
     # What requests still generating do when weights change (``Engine.update_weights``).
     inflight = "keep"
+    # True for the global barrier (sync): the only mode where a delayed sync makes lag exact.
+    barrier = False
     # Every staleness decision of a mode that can train stale groups (partial, streaming);
     # None behind the sync barrier, where nothing is ever stale.
     bound: StalenessBound | None = None

@@ -43,6 +43,8 @@ class StalenessPolicy(ABC):
     admission_control = False  # the trainer waits for groups that are due (Admit)
     throttles = False  # no group starts that could not be trained within K versions
     drops = False
+    # re-anchoring the ratio at the current policy means nothing under the decoupled anchor
+    needs_bypass_anchor = False
 
     @abstractmethod
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
@@ -68,6 +70,8 @@ class Downweight(StalenessPolicy):
 
 
 class Recompute(StalenessPolicy):
+    needs_bypass_anchor = True
+
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         for e in group:
             e.recompute = True

@@ -21,6 +21,8 @@ from modules.launch.config_errors import check_choice
 
 
 class SyncRollout(RolloutController):
+    barrier = True
+
     def __init__(
         self,
         prompts_per_step: int,

@@ -40,6 +40,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from modules.launch.config_errors import check, check_choice
+
+
+def _positive(name: str, value: float | None, nullable: bool = True) -> None:
+    ok = (nullable and value is None) or (value is not None and value > 0)
+    check(f"algo.correction.{name}", value, ok, ("null or " if nullable else "") + "a float > 0")
+
 
 def per_token_advantages(advantages: torch.Tensor) -> torch.Tensor:
     """``[B]`` sequence advantages broadcast over tokens, or ``[B, T]`` per-token ones (a critic's)
@@ -174,6 +181,7 @@ class TokenIS(Correction):
 class TruncatedTokenIS(Correction):
     def __init__(self, cap: float = 2.0, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        _positive("cap", cap, nullable=False)
         self.cap = cap
 
     def weights(self, log_w, mask, ctx):
@@ -185,6 +193,7 @@ class SequenceIS(Correction):
 
     def __init__(self, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        _positive("cap", cap)
         self.cap = cap
 
     def weights(self, log_w, mask, ctx):
@@ -204,8 +213,14 @@ class MaskedIS(Correction):
         self, lower: float = 0.5, upper: float = 2.0, level: str = "token", self_normalize: bool = False
     ) -> None:
         super().__init__(self_normalize)
-        if level not in ("token", "sequence", "geometric"):
-            raise ValueError(f"algo.correction.level={level!r}: must be one of token, sequence, geometric")
+        check_choice("algo.correction.level", level, ("token", "sequence", "geometric"))
+        _positive("upper", upper, nullable=False)
+        check(
+            "algo.correction.lower",
+            lower,
+            0 <= lower < upper,
+            f"a float in [0, algo.correction.upper={upper})",
+        )
         self.lower, self.upper, self.level = lower, upper, level
         self.per_sequence = level != "token"
 
@@ -226,6 +241,9 @@ class MaskedIS(Correction):
 
 class IcePop(MaskedIS):
     def __init__(self, alpha: float = 0.5, beta: float = 5.0, self_normalize: bool = False) -> None:
+        _positive("alpha", alpha, nullable=False)
+        _positive("beta", beta, nullable=False)
+        check("algo.correction.alpha", alpha, alpha < beta, f"a float below algo.correction.beta={beta}")
         super().__init__(alpha, beta, "token", self_normalize)
 
 
@@ -238,6 +256,8 @@ class DeepSeekSequenceMask(Correction):
 
     def __init__(self, delta: float = 0.1, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        _positive("delta", delta, nullable=False)
+        _positive("cap", cap)
         self.delta = delta
         self.cap = cap  # truncation of the behaviour weight pi_old / mu it multiplies
 
@@ -252,6 +272,7 @@ class M2PO(Correction):
 
     def __init__(self, tau: float = 0.04, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        _positive("tau", tau, nullable=False)
         self.tau = tau
 
     def weights(self, log_w, mask, ctx):
@@ -273,6 +294,8 @@ class M2PO(Correction):
 class VTrace(Correction):
     def __init__(self, rho_bar: float = 1.0, c_bar: float = 1.0, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        _positive("rho_bar", rho_bar, nullable=False)
+        _positive("c_bar", c_bar, nullable=False)
         self.rho_bar, self.c_bar = rho_bar, c_bar
 
     def weights(self, log_w, mask, ctx):
@@ -295,6 +318,8 @@ class LagWeight(Correction):
 
     def __init__(self, gamma: float = 0.9, cap: float | None = None, self_normalize: bool = False) -> None:
         super().__init__(self_normalize)
+        check("algo.correction.gamma", gamma, 0 < gamma <= 1, "a float in (0, 1]")
+        _positive("cap", cap)
         self.gamma = gamma
         self.cap = cap  # truncation of the behaviour weight pi_old / mu it multiplies
 

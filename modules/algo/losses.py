@@ -105,6 +105,26 @@ def _log_ratio(logp: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 # Each returns (per-token loss [B, T], metrics). ``anchor`` is pi_old (or mu in bypass mode).
 
 
+def check_objective(objective: Callable) -> None:
+    """The clip arguments an objective (a ``functools.partial`` from ``conf/algo/objective``)
+    was configured with, checked at start-up: the objectives themselves only run in a step."""
+    kw = getattr(objective, "keywords", None) or {}
+    for side in ("eps_low", "eps_high"):
+        if side in kw:
+            check(f"algo.objective.{side}", kw[side], kw[side] is not None and kw[side] >= 0, "a float >= 0")
+    if kw.get("eps_low") is not None:
+        check(
+            "algo.objective.eps_low",
+            kw["eps_low"],
+            kw["eps_low"] < 1,
+            "a float in [0, 1) (1 - eps_low is the lower clip bound of a probability ratio)",
+        )
+    if kw.get("dual_clip") is not None:
+        check("algo.objective.dual_clip", kw["dual_clip"], kw["dual_clip"] > 1, "null or a float > 1")
+    if "eps" in kw:
+        check("algo.objective.eps", kw["eps"], kw["eps"] is not None and kw["eps"] > 0, "a float > 0")
+
+
 def ppo_clip(
     logp,
     anchor,
@@ -302,6 +322,7 @@ class PolicyLoss:
             )
         check_choice("algo.loss.kl_kind", kl_kind, KL_KINDS)
         check("algo.loss.kl_coef", kl_coef, (kl_coef or 0.0) >= 0, "a float >= 0")
+        check_objective(objective)
         correction = correction or NoCorrection()
         check(
             "algo.loss.anchor",

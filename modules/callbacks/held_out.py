@@ -13,6 +13,7 @@ import lightning as L
 import torch
 
 from modules.callbacks.weight_sync import WeightSync
+from modules.launch.config_errors import check
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ class HeldOutEval(L.Callback):
     """
 
     def __init__(self, every_n_versions: int = 20) -> None:
+        check(
+            "callbacks.eval.every_n_versions",
+            every_n_versions,
+            isinstance(every_n_versions, int) and every_n_versions >= 0,
+            "an int >= 0 (0 = never)",
+        )
         self.every_n_versions = every_n_versions
         self.history: list[dict[str, float]] = []
 

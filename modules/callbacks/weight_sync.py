@@ -82,6 +82,12 @@ class WeightSync(L.Callback):
         check(
             "callbacks.weight_sync.tolerance",
             tolerance,
+            tolerance is None or tolerance > 0,
+            "null or a float > 0 (the engine's logprobs never match the trainer's to the last bit)",
+        )
+        check(
+            "callbacks.weight_sync.tolerance",
+            tolerance,
             tolerance is not None or engine_dtype in VERIFY_TOLERANCE,
             f"a number when engine.dtype={engine_dtype} (null picks it only for "
             f"{', '.join(VERIFY_TOLERANCE)})",

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from modules.launch.config_errors import ConfigError, check
+from modules.launch.schema import target_class
 
 ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -144,7 +145,7 @@ def place_gpus(
     if not wants_gpus(accelerator, device_count):
         if device_count > 0 and env.get("LOCAL_RANK", "0") == "0":  # GPUs are an explicit
             # choice, but say so once: a CPU run on a GPU node is rarely what was meant
-            rl = str(cfg.get("module", {}).get("_target_", "")).endswith("PolicyGradientModule")
+            rl = getattr(target_class(cfg.get("module")), "needs_engine", False)
             logging.getLogger(__name__).warning(
                 "this node has %d CUDA GPU(s) and the trainer runs on CPU (trainer.accelerator=%s); "
                 "for GPUs: %s (README, 'On a GPU node')",
@@ -160,7 +161,7 @@ def place_gpus(
         )
         return None
     check("trainer.accelerator", accelerator, device_count > 0, "cpu on a machine without a CUDA GPU")
-    if not str(cfg.get("module", {}).get("_target_", "")).endswith("PolicyGradientModule"):
+    if not getattr(target_class(cfg.get("module")), "needs_engine", False):
         return None  # no engine to place (recipe=sft_warmup): the trainer takes trainer.devices
     fits, batch = _splitter(cfg)
     devices = cfg.trainer.get("devices")

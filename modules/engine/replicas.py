@@ -91,6 +91,7 @@ def split_even(items: Sequence[Any] | None, replicas: int, field: str) -> list[A
 
 def build_engine(replicas: int = 1, **engine_args: Any) -> Engine:
     """``engine.replicas`` VLLMEngines from one config (``_target_`` of ``conf/engine``)."""
+
     from modules.engine.vllm import VLLMEngine
 
     check("engine.replicas", replicas, isinstance(replicas, int) and replicas >= 1, "an int >= 1")
@@ -122,6 +123,11 @@ def build_engine(replicas: int = 1, **engine_args: Any) -> Engine:
     on_cpu = gpu_ids is None and all(c is not None for c in cores)
     union = ",".join(c for c in cores if c is not None) if pin_trainer and on_cpu else None
     return ReplicatedEngine(engines, CorePinning(union))
+
+
+# The config's other keys are VLLMEngine's arguments: type-checked against its signature
+# (modules/launch/schema.py).
+build_engine.config_schema = "modules.engine.vllm.VLLMEngine"
 
 
 class ReplicatedEngine(HealthCheckedWaits):

@@ -104,6 +104,12 @@ class VLLMEngine(HealthCheckedWaits):
         self.gpu_ids = gpu_ids if gpu_ids in (None, "auto") else [int(i) for i in gpu_ids]
         self.num_gpus = num_gpus  # read by the placement (modules/engine/gpus.py), not here
         self.visible_devices = visible_devices  # the placement's CUDA_VISIBLE_DEVICES for it
+        check(
+            "engine.gpu_memory_utilization",
+            gpu_memory_utilization,
+            0 < gpu_memory_utilization <= 1,
+            "a float in (0, 1]",
+        )
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
         self.chunked_prefill = chunked_prefill  # None: vLLM's default (see conf/engine/vllm_cpu.yaml)

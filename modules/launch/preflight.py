@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.engine.placement import names_cores, parse_cores
 from modules.launch.config_errors import check
+from modules.launch.schema import target_class
 from modules.policy.hf_policy import is_hub_id
 
 
@@ -22,7 +23,7 @@ def check_environment(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and ckpt not in ("last", "best", "hpc", "registry"):  # Lightning's names
         check("ckpt_path", ckpt, Path(str(ckpt)).is_file(), "null, last, or an existing checkpoint file")
-    if not str(cfg.module.get("_target_", "")).endswith("PolicyGradientModule"):
+    if not getattr(target_class(cfg.module), "needs_engine", False):
         return  # the SFT recipe builds its model when the directory is empty
     for field in ("module.model_path", "module.ref_model_path"):
         path = OmegaConf.select(cfg, field)

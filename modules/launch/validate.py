@@ -11,97 +11,17 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from modules.algo.advantages import GroupAdvantage
+from modules.algo.corrections import NoCorrection
 from modules.launch.config_errors import check
+from modules.launch.schema import builds, check_types, target_class
 
 log = logging.getLogger(__name__)
 FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
 
-# Fields that must be ints / numbers when present (null allowed where the default is null).
-# Checked first: a string or float where an int is meant would otherwise fail deep inside a
-# constructor or, worse, be accepted (range(2.5), a minibatch count of 2.0).
-INTS = (
-    "seed",
-    "torch_threads",
-    "trainer.max_steps",
-    "rollout.prompts_per_step",
-    "rollout.group_size",
-    "rollout.max_staleness",
-    "rollout.sampling.max_tokens",
-    "rollout.sampling.top_k",
-    "engine.max_model_len",
-    "engine.max_num_seqs",
-    "engine.cpu_kvcache_gb",
-    "engine.replicas",
-    "algo.minibatches",
-    "algo.epochs",
-    "data.train_size",
-    "data.eval_size",
-    "data.eval_samples",
-    "data.eval_max_tokens",
-    "data.sync_every",
-    "data.batch_size",
-    "module.max_consecutive_skips",
-    "module.max_new_tokens",
-    "module.forward.row_tokens",
-    "module.forward.token_budget",
-    "callbacks.eval.every_n_versions",
-    "callbacks.checkpoint.every_n_train_steps",
-    "callbacks.weight_sync.lag",
-)
-NUMBERS = (
-    "rollout.sampling.temperature",
-    "rollout.sampling.top_p",
-    "rollout.max_age_s",
-    "module.temperature",
-    "module.optimizer.lr",
-    "engine.stall_timeout_s",
-    "engine.startup_timeout_s",
-    "engine.gpu_memory_utilization",
-    "data.sync_every_s",
-    "data.reward_timeout_s",
-    "algo.loss.kl_coef",
-    "algo.kl_reward.coef",
-    "algo.loss.norm_const",
-    "algo.objective.eps_low",
-    "algo.objective.eps_high",
-    "callbacks.weight_sync.tolerance",
-    "trainer.gradient_clip_val",
-)
-_ABSENT = object()
-
-
-def _check_types(cfg: DictConfig) -> None:
-    for fields, is_ok, what in (
-        (INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
-        (NUMBERS, lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
-    ):
-        for field in fields:
-            value = OmegaConf.select(cfg, field, default=_ABSENT)
-            if value is not _ABSENT and value is not None:
-                check(field, value, is_ok(value), f"{what}, not {type(value).__name__}")
-
-
-# Fields that are a number or the string "auto" (sized from the engine: data/rollout/sizing.py).
-INTS_OR_AUTO = ("rollout.max_inflight", "rollout.buffer_capacity")
-NUMBERS_OR_AUTO = ("rollout.over_provision",)
-
-
-def _check_or_auto(cfg: DictConfig) -> None:
-    for fields, is_ok, what in (
-        (INTS_OR_AUTO, lambda v: isinstance(v, int), "an int"),
-        (NUMBERS_OR_AUTO, lambda v: isinstance(v, int | float), "a number"),
-    ):
-        for field in fields:
-            value = OmegaConf.select(cfg, field, default=_ABSENT)
-            if value is _ABSENT or value is None or value == "auto":
-                continue
-            ok = is_ok(value) and not isinstance(value, bool)
-            check(field, value, ok, f"{what} or auto, not {type(value).__name__}")
-
 
 def validate(cfg: DictConfig) -> None:
-    _check_types(cfg)
-    _check_or_auto(cfg)
+    check_types(cfg)  # every field's type, from the signature of what it builds (schema.py)
     from modules.policy.sharding import validate_sharding
 
     validate_sharding(cfg)  # trainer.strategy: a known name, or FSDP2 with what it needs
@@ -115,7 +35,7 @@ def validate(cfg: DictConfig) -> None:
     from modules.policy.lora import validate_lora
 
     validate_lora(cfg)  # model.lora: fields, module, strategy, names of the model's layers
-    if cfg.get("module", {}).get("_target_", "").endswith("PolicyGradientModule"):
+    if getattr(target_class(cfg.get("module")), "needs_engine", False):
         _validate_rl(cfg)
 
 
@@ -129,7 +49,7 @@ def mismatch_warning(cfg: DictConfig) -> str | None:
     reduced = [f"engine.dtype={engine_dtype}"] if engine_dtype != "float32" else []
     if precision not in FULL_PRECISION:
         reduced.append(f"trainer.precision={precision}")
-    corrected = not str(cfg.algo.correction.get("_target_", "")).endswith("NoCorrection")
+    corrected = not builds(cfg.algo.correction, NoCorrection)
     if not reduced or (corrected and cfg.algo.loss.get("anchor") == "decoupled"):
         return None
     return (
@@ -164,9 +84,6 @@ def _validate_rl(cfg: DictConfig) -> None:
             f"null or an int >= 1 that leaves room for the prompt within engine.max_model_len="
             f"{engine.max_model_len}",
         )
-    util = engine.get("gpu_memory_utilization")
-    if util is not None:
-        check("engine.gpu_memory_utilization", util, 0 < util <= 1, "a float in (0, 1]")
     check(
         "module.temperature",
         module.temperature,
@@ -174,43 +91,13 @@ def _validate_rl(cfg: DictConfig) -> None:
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
     _check_not_degenerate(cfg)
-    obj = algo.get("objective") or {}
-    for side in ("eps_low", "eps_high"):
-        if side in obj:
-            check(
-                f"algo.objective.{side}", obj[side], obj[side] is not None and obj[side] >= 0, "a float >= 0"
-            )
-    if obj.get("dual_clip") is not None:
-        check("algo.objective.dual_clip", obj.dual_clip, obj.dual_clip > 1, "null or a float > 1")
-    if "eps" in obj:
-        check("algo.objective.eps", obj.eps, obj.eps > 0, "a float > 0")
-    staleness = str((rollout.get("staleness") or {}).get("_target_", ""))
+    staleness = target_class(rollout.get("staleness"))
     check(
         "rollout.staleness",
-        staleness.rsplit(".", 1)[-1],
-        not (staleness.endswith("Recompute") and algo.loss.get("anchor") == "decoupled"),
+        getattr(staleness, "__name__", None),
+        not (getattr(staleness, "needs_bypass_anchor", False) and algo.loss.get("anchor") == "decoupled"),
         "drop, downweight, admit or throttle with algo.loss.anchor=decoupled (decoupled PPO already "
         "anchors every sample at the current policy: Recompute would change nothing)",
-    )
-    corr = algo.get("correction") or {}
-    for key in ("cap", "rho_bar", "c_bar", "delta", "tau", "alpha", "beta"):
-        if corr.get(key) is not None:
-            check(f"algo.correction.{key}", corr[key], corr[key] > 0, "a float > 0")
-    if "lower" in corr:
-        check(
-            "algo.correction.lower",
-            corr.lower,
-            0 <= corr.lower < corr.upper,
-            f"a float in [0, algo.correction.upper={corr.upper})",
-        )
-    if "gamma" in corr:
-        check("algo.correction.gamma", corr.gamma, 0 < corr.gamma <= 1, "a float in (0, 1]")
-    every = cfg.get("callbacks", {}).get("eval", {}).get("every_n_versions", 1)
-    check(
-        "callbacks.eval.every_n_versions",
-        every,
-        isinstance(every, int) and every >= 0,
-        "an int >= 0 (0 = never)",
     )
     gpu_ids = engine.get("gpu_ids")
     devices = cfg.trainer.get("devices")
@@ -291,7 +178,7 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
     """Settings that run without error but make the estimator learn nothing or nonsense."""
     rollout, algo = cfg.rollout, cfg.algo
     group_size = rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
-    if str(algo.advantage.get("_target_", "")).endswith("GroupAdvantage") and group_size >= 1:
+    if builds(algo.advantage, GroupAdvantage) and group_size >= 1:
         check(
             "rollout.group_size",
             rollout.group_size,
@@ -299,31 +186,14 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
             "an int >= 2 with group advantages (one response per prompt has advantage 0: "
             "nothing would be learned); for single responses use algo/advantage=running",
         )
-    obj = algo.get("objective") or {}
-    if obj.get("eps_low") is not None:
-        check(
-            "algo.objective.eps_low",
-            obj.eps_low,
-            obj.eps_low < 1,
-            "a float in [0, 1) (1 - eps_low is the lower clip bound of a probability ratio)",
-        )
     lr = cfg.module.get("optimizer", {}).get("lr")
     if lr is not None:
         check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
-    tolerance = (cfg.get("callbacks") or {}).get("weight_sync", {}).get("tolerance")
-    if tolerance is not None:
-        check(
-            "callbacks.weight_sync.tolerance",
-            tolerance,
-            tolerance > 0,
-            "a float > 0 (the engine's logprobs never match the trainer's to the last bit)",
-        )
     lag = (cfg.get("callbacks") or {}).get("weight_sync", {}).get("lag") or 0
-    rollout_target = str((cfg.get("rollout") or {}).get("_target_", ""))
     check(
         "callbacks.weight_sync.lag",
         lag,
-        lag == 0 or rollout_target.endswith(".SyncRollout"),
+        lag == 0 or getattr(target_class(cfg.get("rollout")), "barrier", False),
         "0 unless rollout=sync (a delayed sync makes the lag exact only behind the barrier; "
         "partial and streaming rollouts have their own lag, bounded by rollout.max_staleness)",
     )

@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from modules.launch.config_errors import check
+from modules.launch.schema import builds, target_class
 
 ALL_LINEAR = "all-linear"  # peft: every Linear but the output layer
 FIELDS = ("rank", "alpha", "target_modules", "rslora")
@@ -189,13 +190,13 @@ def validate_lora(cfg: DictConfig) -> None:
     check(
         "model.lora.rank",
         lora.rank,
-        str(module.get("_target_", "")).endswith("PolicyGradientModule"),
+        getattr(target_class(module), "needs_engine", False),
         "0 outside RL training (recipe=sft_warmup trains every weight)",
     )
-    from modules.policy.sharding import strategy_target
+    from modules.policy.sharding import FSDP2Strategy
 
     strategy = (cfg.get("trainer") or {}).get("strategy", "auto")
-    sharded = isinstance(strategy, DictConfig | dict) and strategy_target(strategy).endswith("FSDP2Strategy")
+    sharded = builds(strategy, FSDP2Strategy)
     check(
         "model.lora.rank",
         lora.rank,

@@ -48,6 +48,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class PolicyGradientModule(L.LightningModule):
+    needs_engine = True  # trains on rollouts: train.py places, checks and starts an engine
+
     def __init__(
         self,
         model_path: str,

@@ -24,6 +24,8 @@ from modules.policy.tiny_model import build_tiny_qwen
 
 
 class SFTModule(L.LightningModule):
+    needs_engine = False  # trains on reference responses: no engine, no rollout rules
+
     def __init__(
         self,
         model_path: str,

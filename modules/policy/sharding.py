@@ -43,6 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from modules.launch.config_errors import check
+from modules.launch.schema import builds
 
 # trainer.strategy strings Lightning would accept but this project cannot run (hint: the config)
 STRATEGY_NAMES = ("auto", "ddp")
@@ -172,12 +173,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup(trainer)
 
 
-def strategy_target(strategy: Any) -> str:
-    if isinstance(strategy, DictConfig | dict):
-        return str(strategy.get("_target_", ""))
-    return str(strategy)
-
-
 def validate_sharding(cfg: DictConfig) -> None:
     """Start-up rules for ``trainer.strategy`` (before any engine or model is built)."""
     trainer = cfg.get("trainer") or {}
@@ -192,7 +187,7 @@ def validate_sharding(cfg: DictConfig) -> None:
             "this module's data-dependent forwards",
         )
         return
-    if not strategy_target(strategy).endswith("FSDP2Strategy"):
+    if not builds(strategy, FSDP2Strategy):
         return
     devices = trainer.get("devices")
     world = len(devices) if OmegaConf.is_list(devices) else devices

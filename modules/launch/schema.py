@@ -1,0 +1,238 @@
+"""Types of every config field, read from the code the config builds: no list of dotted keys.
+
+A node with a ``_target_`` is checked against its target's signature: each key that names an
+argument must have the argument's annotated type (``int``, ``float``, ``bool``, ``str``,
+``None``, ``Literal[...]``, unions, lists of these). So the schema of ``rollout.group_size`` is
+``StreamingRollout.__init__``'s ``group_size: int``, next to the rule that checks its range, and
+a new constructor argument is type-checked the day it is added. The few top-level keys that
+build nothing have their schema in ``RunSchema``.
+
+A value interpolated from elsewhere (``data.minibatches: ${algo.minibatches}``) is reported
+under the field a user sets (``algo.minibatches``). Annotations this cannot read (a class, a
+callable, a forward reference) are not checked here; their constructors check them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from modules.launch.config_errors import check
+
+RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+_SIMPLE_REF = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
+
+
+@dataclass
+class RunSchema:
+    """Top-level keys of ``conf/train.yaml`` that no ``_target_`` receives."""
+
+    seed: int
+    torch_threads: int
+    optimized_metric: str
+    ckpt_path: str | None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _describe(hint: Any) -> str:
+    if hint is int:
+        return "an int"
+    if hint is float:
+        return "a number"
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
+        return "a list"
+    return getattr(hint, "__name__", str(hint))
+
+
+def matches(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` (a plain config value) has type ``hint``; None when ``hint`` is not one
+    this checks (then nothing is said about it)."""
+    if hint is Any or hint is object:
+        return True
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return _is_number(value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in args and all(
+            type(value) is type(a) or _is_number(a) == _is_number(value) for a in args
+        )
+    if origin in (typing.Union, types.UnionType):
+        results = [matches(value, a) for a in args]
+        if any(r is True for r in results):
+            return True
+        return None if any(r is None for r in results) else False
+    if origin in (list, tuple, typing.Sequence) or (
+        origin is not None and getattr(origin, "__name__", "") == "Sequence"
+    ):
+        if not isinstance(value, list | tuple):
+            return False
+        if not args or args == ((),):
+            return True
+        inner = args[0] if origin is not tuple or (len(args) == 2 and args[1] is Ellipsis) else None
+        if inner is None:  # a fixed-length tuple
+            if len(args) != len(value):
+                return False
+            parts = [matches(v, a) for v, a in zip(value, args)]
+        else:
+            parts = [matches(v, inner) for v in value]
+        return None if any(p is None for p in parts) else all(parts)
+    if inspect.isclass(hint) and hint.__name__ == "Tensor":
+        return False  # a config value is never a tensor (``lr: float | Tensor``)
+    return None  # a class, a callable, a dict, ...: the constructor's business
+
+
+def _hints(target: Callable) -> dict[str, Any]:
+    """Parameter name -> annotation of ``target``'s constructor (unreadable ones left out). A
+    factory that forwards ``**kwargs`` names the class it forwards to in ``config_schema``."""
+    forwarded = getattr(target, "config_schema", None)
+    extra = _hints(get_object(forwarded)) if isinstance(forwarded, str) else {}
+    return {**extra, **_own_hints(target)}
+
+
+def _own_hints(target: Callable) -> dict[str, Any]:
+    fn = target.__init__ if inspect.isclass(target) else target
+    try:
+        return {k: v for k, v in typing.get_type_hints(fn).items() if k != "return"}
+    except Exception:  # one unresolvable annotation: take the others one by one
+        pass
+    out = {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return out
+    module = inspect.getmodule(target)
+    namespace = {**vars(typing), **vars(types), **(vars(module) if module else {})}
+    for name, p in params.items():
+        ann = p.annotation
+        if ann is inspect.Parameter.empty:
+            continue
+        if isinstance(ann, str):
+            try:
+                ann = eval(ann, namespace)  # noqa: S307 - annotations of the project's own code
+            except Exception:
+                continue
+        out[name] = ann
+    return out
+
+
+def _defaults_none(target: Callable) -> set[str]:
+    forwarded = getattr(target, "config_schema", None)
+    extra = _defaults_none(get_object(forwarded)) if isinstance(forwarded, str) else set()
+    return extra | _own_defaults_none(target)
+
+
+def _own_defaults_none(target: Callable) -> set[str]:
+    fn = target.__init__ if inspect.isclass(target) else target
+    try:
+        return {n for n, p in inspect.signature(fn).parameters.items() if p.default is None}
+    except (TypeError, ValueError):
+        return set()
+
+
+def _nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
+    """Every dict node reachable without following an interpolation, with its dotted path."""
+    yield path, cfg
+    for key in cfg.keys():
+        if not isinstance(key, str) or OmegaConf.is_interpolation(cfg, key):
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            yield from _nodes(child, f"{path}.{key}" if path else key)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def check_fields(node: DictConfig, path: str, hints: dict[str, Any], nullable: set[str]) -> None:
+    """Each key of ``node`` that ``hints`` annotates must have that type."""
+    for key in node.keys():
+        if key in RESERVED or key not in hints:
+            continue
+        field = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_interpolation(node, key):
+            ref = _SIMPLE_REF.match(str(node._get_node(key)._value()))
+            field = ref.group(1) if ref else field
+        try:
+            value = node[key]
+        except Exception:  # an interpolation only a Hydra run resolves
+            continue
+        if isinstance(value, DictConfig):
+            continue  # an object (its own _target_) or a mapping: checked where it is defined
+        value = _plain(value)
+        if value is None and key in nullable:
+            continue
+        ok = matches(value, hints[key])
+        if ok is False:
+            got = "null" if value is None else type(value).__name__
+            check(field, value, False, f"{_describe(hints[key])}, not {got}")
+
+
+def target_class(node: Any) -> Any:
+    """The class (or function) a config node's ``_target_`` builds; None without one or when it
+    does not resolve (building it then names the error). Rules ask it what it is (a class
+    attribute, ``issubclass``), never its name."""
+    target = node.get("_target_") if isinstance(node, DictConfig | dict) else None
+    if not isinstance(target, str):
+        return None
+    try:
+        return get_object(target)
+    except Exception:
+        return None
+
+
+def builds(node: Any, cls: type) -> bool:
+    """Whether ``node`` builds a ``cls`` (or a subclass)."""
+    found = target_class(node)
+    return inspect.isclass(found) and issubclass(found, cls)
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Check every field that a ``_target_`` receives, and the run's top-level keys."""
+    run_hints = {f.name: f.type for f in fields(RunSchema)}
+    check_fields(cfg, "", typing.get_type_hints(RunSchema) or run_hints, {"ckpt_path"})
+    for path, node in _nodes(cfg):
+        target = node.get("_target_") if "_target_" in node else None
+        if not isinstance(target, str):
+            continue
+        try:
+            obj = get_object(target)
+        except Exception:
+            continue  # the build step names an unknown _target_ itself
+        check_fields(node, path, _hints(obj), _defaults_none(obj))
