@@ -23,13 +23,13 @@ the value it wrote (the slip propagates, as a student's would). A model trained 
 demonstrations learns the right step as the most likely one and slips at about that rate at
 every step, so greedy decoding is mostly right while samples at temperature 1 slip: every level
 starts with mixed groups, and RL has one clear job (stop slipping) shared by all lengths. See
-README, "The default task".
+docs/modes.md, "The default task".
 
     python -m data.tasks.remainder      # print a few examples and the length figures
 
 The default task of every recipe on the tiny model (``sft_warmup``, ``sync_grpo``, ...). For a
 new task copy this file (keep ``build`` / ``prompt_text`` / ``reward``, see ``data/tasks``) and
-point a recipe's ``task._target_`` at it (see README, "Copying a recipe").
+point a recipe's ``task._target_`` at it (see README, "Writing your own").
 """
 
 from __future__ import annotations

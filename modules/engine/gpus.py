@@ -148,7 +148,7 @@ def place_gpus(
             rl = getattr(target_class(cfg.get("module")), "needs_engine", False)
             logging.getLogger(__name__).warning(
                 "this node has %d CUDA GPU(s) and the trainer runs on CPU (trainer.accelerator=%s); "
-                "for GPUs: %s (README, 'On a GPU node')",
+                "for GPUs: %s (docs/gpu.md, 'On a GPU node')",
                 device_count,
                 accelerator,
                 "trainer=gpu engine=vllm_gpu" if rl else "trainer=gpu",

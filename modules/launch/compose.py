@@ -11,11 +11,33 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from modules.launch.config_errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
+RUN_OUTPUT_DIR = "${hydra:runtime.output_dir}"
+
+
+def run_output_dir() -> str:
+    """``paths.output_dir``: this run's Hydra output dir. Where a config is only printed
+    (``--cfg job --resolve``: no run, no dir) it stays the interpolation itself, so a config
+    frozen from that output writes each of its runs to that run's own dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from omegaconf.errors import MissingMandatoryValue
+
+    if HydraConfig.initialized():
+        try:
+            out = HydraConfig.get().runtime.output_dir
+        except MissingMandatoryValue:  # --cfg: composed, never run
+            out = None
+        if out:
+            return str(out)
+    return RUN_OUTPUT_DIR
+
+
+OmegaConf.register_new_resolver("run_output_dir", run_output_dir, replace=True)
 
 
 def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl") -> DictConfig:
