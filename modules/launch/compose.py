@@ -24,7 +24,6 @@ def run_output_dir() -> str:
     (``--cfg job --resolve``: no run, no dir) it stays the interpolation itself, so a config
     frozen from that output writes each of its runs to that run's own dir."""
     from hydra.core.hydra_config import HydraConfig
-
     from omegaconf.errors import MissingMandatoryValue
 
     if HydraConfig.initialized():
