@@ -8,7 +8,7 @@ export PROJECT_ROOT := $(CURDIR)
 
 SFT_MODEL := artifacts/tiny-qwen-sft/config.json
 
-.PHONY: install sft train test test-fast lint format clean report trl-venv gpu-smoke
+.PHONY: install sft train test test-unit test-fast lint format clean report trl-venv gpu-smoke
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -53,11 +53,20 @@ trl-venv: .venv-trl/trl-$(TRL_VERSION)
 	.venv-trl/bin/python -c "import trl, torch; print('trl', trl.__version__, '| torch', torch.__version__)"
 	touch $@
 
+# Tiers, cheapest first (docs/testing.md): unit (no engine, no subprocess), tools (tools/ and
+# lab/), integration (the real engine, spawned workers, gloo ranks), e2e (train.py as typed).
+TIERS := unit tools integration e2e
 test:
-	$(BIN)/python -m pytest -q --durations=15
+	@for t in $(TIERS); do s=$$(date +%s); \
+	  $(BIN)/python -m pytest -q --durations=10 tests/$$t || exit 1; \
+	  echo "tests/$$t took $$(( $$(date +%s) - s )) s"; done
 
+test-unit:
+	$(BIN)/python -m pytest -q tests/unit
+
+# unit + tools: everything without an engine or a subprocess
 test-fast:
-	$(BIN)/python -m pytest -q -m "not engine and not e2e"
+	$(BIN)/python -m pytest -q tests/unit tests/tools
 
 lint:
 	$(BIN)/ruff check .

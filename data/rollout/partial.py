@@ -27,6 +27,7 @@ bound. Without a known concurrency alpha is 2.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.shaping import InformativeGroups, Overlong
@@ -47,7 +48,7 @@ class PartialRollout(StreamingRollout):
         prompts_per_step: int,
         group_size: int,
         sampling: SamplingConfig,
-        over_provision: float | str = 2.0,
+        over_provision: float | Literal["auto"] = 2.0,
         inflight: str = "keep",
         max_staleness: int | None = None,
         staleness: StalenessPolicy | None = None,

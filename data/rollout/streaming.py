@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from data.rollout.bias import reweight_by_level
 from data.rollout.controller import Pending, RolloutContext, RolloutController
@@ -53,10 +53,10 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         prompts_per_step: int,
         group_size: int,
         sampling: SamplingConfig,
-        max_inflight: int | str = 32,
+        max_inflight: int | Literal["auto"] = 32,
         max_staleness: int | None = 1,
         staleness: StalenessPolicy | None = None,
-        buffer_capacity: int | str = 64,
+        buffer_capacity: int | Literal["auto"] = 64,
         max_age_s: float | None = None,
         inflight: str = "keep",
         wait_timeout_s: float = 600.0,

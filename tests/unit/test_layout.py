@@ -1,0 +1,151 @@
+"""The layout the project keeps: a short entry point, small files, YAML-only recipes, and a
+data path that reads one way with no import cycle.
+
+Imports are read from the source (``ast``), function-level ones included, so a cycle hidden
+by a late import is still found.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PACKAGES = ("modules", "data", "tools", "lab")
+
+
+def project_files() -> dict[str, Path]:
+    """Dotted module name -> file, for train.py and every package file."""
+    files = {"train": ROOT / "train.py"}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            files[name] = path
+    return files
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Project modules ``path`` imports (``from a.b import c`` counts a.b.c when it is a module)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in known}
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = project_files()
+    known = set(files)
+    return {name: imports_of(path, known) - {name} for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle as a list of modules (first == last), or None. Package ``__init__`` re-exports
+    of their own submodules are edges like any other."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_data_path_reads_one_way():
+    """The module and the engine never reach into the data side; tasks and the engine do
+    not know about rollout controllers."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("modules"):
+            assert not {d for d in deps if d.startswith("data")}, (name, deps)
+        if name.startswith(("data.tasks", "modules.engine")):
+            assert not {d for d in deps if d.startswith("data.rollout")}, (name, deps)
+
+
+def test_entry_point_and_files_stay_small():
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 60
+    big = {
+        str(p.relative_to(ROOT)): n
+        for pkg in ("modules", "data")
+        for p in (ROOT / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not big, big
+
+
+def test_recipes_hold_yaml_only():
+    recipes = [p for p in (ROOT / "recipes").iterdir() if p.name != "__pycache__"]
+    assert recipes and all(p.suffix == ".yaml" for p in recipes), recipes
+
+
+def test_library_and_unit_tests_never_import_tools_or_lab():
+    """tools/ and lab/ sit on top of the library; the unit tier tests the library alone."""
+    graph = import_graph()
+    library = {n: d for n, d in graph.items() if n == "train" or n.startswith(("modules", "data"))}
+    for name, deps in library.items():
+        assert not {d for d in deps if d.startswith(("tools", "lab", "benchmarks"))}, (name, deps)
+    for path in (ROOT / "tests" / "unit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not [m for m in mods if m.split(".")[0] in ("tools", "lab", "benchmarks")], (path, mods)
+
+
+def test_no_two_library_modules_share_a_file_name():
+    names: dict[str, list[str]] = {}
+    for pkg in ("modules", "data"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            if p.name not in ("__init__.py", "__main__.py"):
+                names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
+
+
+def test_library_packages_mirror_the_config_groups():
+    """modules/ and data/ are sub-packages named after what a user configures; no loose files."""
+    loose = [p.name for p in (ROOT / "modules").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, loose
+    assert {p.name for p in (ROOT / "modules").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "algo",
+        "callbacks",
+        "engine",
+        "launch",
+        "policy",
+    }
+    assert {"rollout", "tasks"} <= {p.name for p in (ROOT / "data").iterdir() if p.is_dir()}

@@ -1,0 +1,332 @@
+"""Rollout-mode semantics on the simulated virtual-clock engine (modules/engine/sim.py).
+
+The fake engine is a fixture for exact timing; the same controllers drive vLLM in training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from data.rollout.controller import RewardError, RolloutContext
+from data.rollout.partial import PartialRollout
+from data.rollout.prompts import PromptStream
+from data.rollout.selection import Fifo, Stratified
+from data.rollout.staleness import Admit, Downweight, Drop, Recompute, Throttle
+from data.rollout.streaming import StreamingRollout
+from data.rollout.sync import SyncRollout
+from modules.algo.advantages import GroupAdvantage, RunningBaseline
+from modules.engine import EngineError, SamplingConfig
+from modules.engine.sim import CharTokenizer, SimEngine, SimTask
+
+
+def bind(ctl, engine, lengths, fail=False, advantage=None):
+    task = SimTask(lengths, fail=fail)
+    advantage = advantage or GroupAdvantage()
+    ctl.bind(RolloutContext(engine, task, CharTokenizer(), PromptStream(task.rows, seed=0), advantage))
+    return ctl
+
+
+SEED_WORKLOAD = [10] * 90 + [100] * 10  # the seeds' example: 90 short, 10 long
+
+SAMPLING = SamplingConfig(max_tokens=1000)
+
+
+def test_seed_example_streaming_updates_when_32nd_short_request_finishes():
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(32, 1, SAMPLING, max_inflight=100, max_staleness=10, buffer_capacity=100),
+        eng,
+        SEED_WORKLOAD,
+    )
+    batch = ctl.next_batch()
+    assert eng.now == 10 and len(batch) == 32
+    assert all(len(e.response_ids) == 10 for e in batch)
+
+
+def test_seed_example_sync_waits_for_the_last_long_request():
+    eng = SimEngine()
+    ctl = bind(SyncRollout(100, 1, SAMPLING), eng, SEED_WORKLOAD)
+    batch = ctl.next_batch()
+    assert eng.now == 100 and len(batch) == 100
+
+
+def test_seed_example_partial_ends_at_the_pth_complete_group_and_carries_the_rest():
+    eng = SimEngine()
+    ctl = bind(PartialRollout(16, 1, SAMPLING, over_provision=2.0), eng, SEED_WORKLOAD)
+    batch = ctl.next_batch()
+    snap = ctl.snapshot()
+    assert eng.now == 10 and len(batch) == 16
+    assert snap["started_groups"] == 32  # ceil(alpha * P) issued
+    # the 32 issued minus 16 trained are carried over: finished extras wait in the buffer,
+    # long ones keep generating; the next iteration tops up to 32 again
+    assert snap["buffer"] + snap["inflight_groups"] == 16
+    eng.update_weights({}, 1, inflight="keep")
+    ctl.next_batch()
+    assert ctl.snapshot()["started_groups"] == 32 + 16
+
+
+def run(ctl, eng, batches, step_time=1.0, sync_every=1):
+    trained = []
+    ctl.batches_per_version = sync_every
+    for b in range(batches):
+        batch = ctl.next_batch()
+        trained.append((eng.version, batch))
+        assert ctl.snapshot()["buffer"] <= ctl.buffer_capacity
+        eng.advance_to(eng.now + step_time)  # the training step takes virtual time
+        if (b + 1) % sync_every == 0:
+            eng.update_weights({}, eng.version + 1, inflight=ctl.inflight)
+    return trained
+
+
+@pytest.mark.parametrize("policy", [Admit(), Drop()])
+def test_max_staleness_zero_is_sync_semantics(policy):
+    lengths = [3, 7, 40, 12, 90, 5, 5, 60, 2, 33] * 5
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(
+            4, 2, SAMPLING, max_inflight=8, max_staleness=0, staleness=policy, buffer_capacity=16
+        ),
+        eng,
+        lengths,
+    )
+    for version, batch in run(ctl, eng, 6):
+        assert len(batch) == 8
+        for e in batch:
+            assert set(e.token_versions()) == {version}  # every trained token from the current policy
+            assert e.staleness == 0
+    if isinstance(policy, Admit):
+        assert ctl.snapshot()["dropped"] == 0
+
+
+def test_abort_carry_over_keeps_logprobs_versions_and_mask_aligned():
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(
+            1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="abort", buffer_capacity=4
+        ),
+        eng,
+        [4, 30],
+    )
+    first = ctl.next_batch()  # the 4-token request; the 30-token one is 4 tokens in
+    assert len(first[0].response_ids) == 4
+    eng.update_weights({}, 1, inflight="abort")  # abort -> resubmit prompt + 4 partial tokens
+    out = []
+    while not any(len(e.response_ids) == 30 for e in out):
+        out += ctl.next_batch()
+        eng.update_weights({}, eng.version + 1, inflight="abort")
+    e = next(e for e in out if len(e.response_ids) == 30)
+    assert e.splits == 1 and len(e.behavior_logprobs) == 30 and sum(e.loss_mask) == 30
+    assert e.version_spans == [(0, 0, 4), (1, 4, 30)]
+    assert e.token_versions()[:4] == [0] * 4 and e.token_versions()[4:] == [1] * 26
+    assert ctl.snapshot()["carried_over"] >= 1
+
+
+def test_keep_in_flight_update_records_version_spans():
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(1, 1, SAMPLING, max_inflight=2, max_staleness=5, inflight="keep", buffer_capacity=4),
+        eng,
+        [4, 30],
+    )
+    ctl.next_batch()
+    eng.update_weights({}, 1, inflight="keep")
+    e = next(e for e in ctl.next_batch() if len(e.response_ids) == 30)
+    assert e.splits == 0 and e.version_spans == [(0, 0, 4), (1, 4, 30)]
+    assert e.policy_version == 0  # started under version 0: staleness counts from the oldest token
+
+
+def test_downweight_and_recompute_mark_stale_groups():
+    for policy, check in [
+        (Downweight(gamma=0.5), lambda e: e.weight == 0.5 ** (e.staleness - 0)),
+        (Recompute(), lambda e: e.recompute),
+    ]:
+        eng = SimEngine()
+        ctl = bind(
+            StreamingRollout(
+                2, 1, SAMPLING, max_inflight=6, max_staleness=0, staleness=policy, buffer_capacity=8
+            ),
+            eng,
+            [1, 1, 1, 1, 1, 1, 50, 50],
+        )
+        stale = [e for _, b in run(ctl, eng, 4) for e in b if e.staleness > 0]
+        assert stale and all(check(e) for e in stale)
+
+
+def test_reward_failure_surfaces_in_the_trainer():
+    eng = SimEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [3, 5, 8], fail=True)
+    with pytest.raises(RewardError, match="verifier crashed"):
+        ctl.next_batch()
+
+
+def test_engine_death_surfaces_in_the_trainer():
+    eng = SimEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [30, 50])
+    eng.kill()
+    with pytest.raises(EngineError):
+        ctl.next_batch()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 120), min_size=3, max_size=40),
+    group_size=st.integers(1, 3),
+    prompts_per_step=st.integers(1, 4),
+    max_inflight=st.integers(1, 8),
+    max_staleness=st.integers(0, 3),
+    policy=st.sampled_from(["drop", "admit", "downweight", "throttle"]),
+    inflight=st.sampled_from(["keep", "abort", "wait"]),
+    concurrency=st.one_of(st.none(), st.integers(1, 6)),
+    sync_every=st.integers(1, 3),
+)
+def test_streaming_invariants(
+    lengths,
+    group_size,
+    prompts_per_step,
+    max_inflight,
+    max_staleness,
+    policy,
+    inflight,
+    concurrency,
+    sync_every,
+):
+    staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5), "throttle": Throttle()}[
+        policy
+    ]
+    eng = SimEngine(max_concurrency=concurrency)
+    capacity = max(prompts_per_step, max_inflight) + 2
+    ctl = bind(
+        StreamingRollout(
+            prompts_per_step,
+            group_size,
+            SAMPLING,
+            max_inflight=max_inflight,
+            max_staleness=max_staleness,
+            staleness=staleness,
+            buffer_capacity=capacity,
+            inflight=inflight,
+        ),
+        eng,
+        lengths,
+    )
+    seen = set()
+    for version, batch in run(ctl, eng, 6, step_time=7.0, sync_every=sync_every):
+        groups = {}
+        for e in batch:
+            key = (e.group_id, e.sample_index)
+            assert key not in seen, "a response was trained twice"
+            seen.add(key)
+            groups.setdefault(e.group_id, []).append(e)
+            assert len(e.behavior_logprobs) == len(e.response_ids) == len(e.token_versions())
+            assert e.staleness == version - min(e.token_versions())
+            if policy in ("drop", "admit"):
+                assert e.staleness <= max_staleness
+        assert all(len(g) == group_size for g in groups.values()), "an incomplete group was trained"
+        assert len(groups) == prompts_per_step
+    if policy in ("admit", "throttle"):
+        assert ctl.snapshot()["dropped"] == 0
+
+
+def long_tail_streaming(**kwargs):
+    """80 short (level 0) and 20 long (level 1) prompts, K=2 with drop, 8 generating at once."""
+    eng = SimEngine(max_concurrency=8)
+    ctl = StreamingRollout(
+        8, 1, SAMPLING, max_inflight=16, max_staleness=2, staleness=Drop(), buffer_capacity=24, **kwargs
+    )
+    return bind(ctl, eng, [4] * 80 + [60] * 20), eng
+
+
+def bias_run(stratify: bool) -> dict[str, float]:
+    ctl, eng = long_tail_streaming(selection=Stratified() if stratify else Fifo())
+    for _, batch in run(ctl, eng, 12, step_time=3.0):
+        ctl.bias.on_trained(batch)  # the datamodule does this in training
+    return ctl.bias.metrics()
+
+
+def test_completion_time_bias_is_measured_and_stratified_batches_reduce_it():
+    plain, strat = bias_run(False), bias_run(True)
+    # first-finished consumption under-trains the long level and biases lengths
+    assert plain["bias/level_kl_trained_vs_issued"] > 0.01
+    assert plain["bias/len_kl_trained_vs_issued"] > 0
+    assert strat["bias/level_kl_trained_vs_issued"] < plain["bias/level_kl_trained_vs_issued"] / 2
+    assert strat.get("bias/trained_frac_level1", 0) > plain.get("bias/trained_frac_level1", 0)
+
+
+def test_sync_mode_has_no_length_bias():
+    eng = SimEngine()
+    ctl = bind(SyncRollout(4, 2, SAMPLING), eng, [4, 60, 9, 30])
+    for _ in range(3):
+        ctl.bias.on_trained(ctl.next_batch())
+    m = ctl.bias.metrics()
+    assert m["bias/len_kl_trained_vs_issued"] < 1e-9 and m["bias/level_kl_trained_vs_issued"] < 1e-9
+
+
+def test_reweighting_moves_the_trained_level_mix_towards_the_issued_mix():
+    ctl, eng = long_tail_streaming(reweight=True)
+    trained = [e for _, batch in run(ctl, eng, 12, step_time=3.0) for e in batch]
+    issued = ctl.bias.issued_levels[1] / sum(ctl.bias.issued_levels.values())
+    plain = sum(e.difficulty == 1 for e in trained) / len(trained)
+    weighted = sum(e.weight for e in trained if e.difficulty == 1) / sum(e.weight for e in trained)
+    assert plain < issued  # long prompts are under-trained when the first finished are consumed
+    assert abs(weighted - issued) < abs(plain - issued)
+
+
+def test_reward_errors_can_score_zero_and_be_counted():
+    eng = SimEngine()
+    ctl = bind(StreamingRollout(2, 2, SAMPLING, max_inflight=4), eng, [3, 5, 8], fail=True)
+    ctl.configure_rewards("zero")
+    batch = ctl.next_batch()
+    assert all(e.reward == 0.0 for e in batch) and ctl.reward_error_count >= 4
+
+
+def test_streaming_checkpoint_requeues_outstanding_prompts():
+    eng = SimEngine()
+    ctl = bind(
+        StreamingRollout(2, 1, SAMPLING, max_inflight=4, max_staleness=5, buffer_capacity=8),
+        eng,
+        [3, 50, 4, 60, 5, 70, 6, 80],
+    )
+    trained = ctl.next_batch()
+    outstanding = ctl.outstanding_prompts()
+    assert outstanding and not {e.prompt_id for e in trained} & set(outstanding)
+    state = ctl.ctx.prompts.state_dict()
+    fresh = PromptStream(ctl.ctx.prompts.rows, seed=0)
+    fresh.load_state_dict({**state, "front": outstanding + state["front"]})
+    assert [fresh.next()["id"] for _ in outstanding] == outstanding  # served first on resume
+
+
+@pytest.mark.parametrize("scope", ["global", "per_prompt"])
+def test_running_baseline_lets_single_responses_flow_before_their_group(scope):
+    def first_batch_time(advantage):
+        eng = SimEngine(jitter=60)  # responses of one prompt take 10..70 units
+        ctl = bind(
+            StreamingRollout(1, 4, SAMPLING, max_inflight=2, max_staleness=5, buffer_capacity=4),
+            eng,
+            [10, 10, 10, 10],
+            advantage=advantage,
+        )
+        batch = ctl.next_batch()
+        return eng.now, batch
+
+    t_group, group_batch = first_batch_time(GroupAdvantage())
+    t_single, single_batch = first_batch_time(RunningBaseline(scope))
+    assert len(group_batch) == len(single_batch) == 4
+    assert len({e.group_id for e in group_batch}) == 1  # GRPO: one complete group
+    assert t_single < t_group  # the running baseline does not wait for a group's slowest response
+    assert all(math.isfinite(e.advantage) for e in single_batch)
+
+
+def test_running_baseline_is_rejected_with_admission_control():
+    from modules.launch.config_errors import ConfigError
+
+    with pytest.raises(ConfigError, match="algo.advantage"):
+        bind(
+            StreamingRollout(1, 4, SAMPLING, staleness=Admit()),
+            SimEngine(),
+            [10],
+            advantage=RunningBaseline(),
+        )
