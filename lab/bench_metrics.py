@@ -2,7 +2,7 @@
 
 Used by ``lab/modes.py``; tested without an engine by
 
-    python -m pytest -q tests/test_bench_metrics.py
+    python -m pytest -q tests/tools/test_bench_metrics.py
 
 A held-out reward curve is a list of evaluation points ``(training wall-clock s, reward)`` in
 increasing time. ``time_to_reward`` finds when a curve first reaches a target reward,

@@ -1,4 +1,4 @@
-"""Trainer-level run of ``PolicyGradientModule`` on 2 CPU ranks without the vLLM engine (tests/test_sharding.py).
+"""Trainer-level run of ``PolicyGradientModule`` on 2 CPU ranks without the vLLM engine (tests/integration/test_sharding.py).
 
     python -m tests.sharding_run OUT --strategy fsdp --model DIR [--steps 4] [--resume CKPT]
 

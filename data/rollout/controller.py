@@ -148,7 +148,7 @@ class RolloutController:
         """Policy versions a trained group may lag (None: unbounded, or the sync barrier)."""
         return None if self.bound is None else self.bound.max_staleness
 
-    def set_max_staleness(self, value: int) -> None:
+    def set_max_staleness(self, value: int | None) -> None:
         """Move the staleness bound at run time (``modules.callbacks.drift_controller``)."""
         if self.bound is not None:
             self.bound.max_staleness = value
@@ -161,7 +161,7 @@ class RolloutController:
     @property
     def counts_versions(self) -> bool:
         """Group starts are bounded by batches per version (``admit``, ``throttle``)."""
-        return self.bound is not None and self.bound.throttles
+        return self.bound is not None and self.bound.counts_versions
 
     @property
     def batches_per_version(self) -> int:
@@ -211,7 +211,7 @@ class RolloutController:
     def score(self, row: dict, text: str) -> float:
         """The task's reward, with the configured timeout and error policy.
 
-        With a timeout the reward runs in a worker process (``modules/rollout/rewards.py``); a
+        With a timeout the reward runs in a worker process (``data/rollout/rewards.py``); a
         call that overruns has its worker killed and replaced, and is handled like an error.
         """
         ctx = self.ctx

@@ -18,6 +18,7 @@ class never calls into the LightningModule (the module computes pi_old itself).
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -266,11 +267,15 @@ class RolloutDataModule(L.LightningDataModule):
         rollout counts its samples' staleness from it."""
         self.rollout.trainer_version = version
 
-    def staleness_bound(self) -> int | None:
-        """The rollout's ``max_staleness`` (None in sync mode); moved by ``modules.callbacks.drift_controller``."""
-        return self.rollout.max_staleness
+    def staleness_bound(self) -> float | None:
+        """The rollout's ``max_staleness``, moved by ``modules.callbacks.drift_controller``: None in
+        sync mode (nothing is stale), ``inf`` for an unbounded one (partial rollout's default)."""
+        if self.rollout.bound is None:
+            return None
+        k = self.rollout.max_staleness
+        return math.inf if k is None else k
 
-    def set_staleness_bound(self, value: int) -> None:
+    def set_staleness_bound(self, value: int | None) -> None:
         with self.rollout.lock:
             self.rollout.set_max_staleness(value)
 

@@ -106,7 +106,7 @@ class PartialRollout(StreamingRollout):
         self.max_inflight = self.buffer_capacity = self.groups_per_iteration(ctx.engine.concurrency)
         super().bind(ctx)
 
-    def set_max_staleness(self, value: int) -> None:
+    def set_max_staleness(self, value: int | None) -> None:
         """A new bound (``modules.callbacks.drift_controller``) also resizes auto's over-provisioning."""
         self.bound.max_staleness = value
         if self.ctx is not None:

@@ -147,6 +147,11 @@ class StalenessBound:
         return self.policy.admission_control
 
     @property
+    def counts_versions(self) -> bool:
+        """The policy counts batches per policy version (``throttle``, ``admit``), bounded or not."""
+        return self.policy.throttles
+
+    @property
     def throttles(self) -> bool:
         return self.policy.throttles and self.max_staleness is not None
 
@@ -202,8 +207,10 @@ class StalenessBound:
         """Admission control: after this batch, can every group still outstanding (start
         versions ``left``) be trained within K? Counts, for each start version u, the groups
         started at or before u against the batches left through version u + K."""
+        if self.max_staleness is None:
+            return True  # unbounded: every group is trainable whenever it is taken
         left = list(left)
-        k, p, bpv = self.max_staleness or 0, self.prompts_per_step, self.batches_per_version
+        k, p, bpv = self.max_staleness, self.prompts_per_step, self.batches_per_version
         taken = self.taken(version)
         return all(
             sum(s <= u for s in left) <= ((u + k - version + 1) * bpv - taken - 1) * p for u in set(left)

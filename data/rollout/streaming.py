@@ -166,7 +166,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         generating = sum(self.group_size - len(g.exps) for g in self._groups.values())
         return (generating + len(self._buffer)) / self.group_size
 
-    def set_max_staleness(self, value: int) -> None:
+    def set_max_staleness(self, value: int | None) -> None:
         """A new bound resizes what may be outstanding (``P * (K + 1)`` of it is the bound's)."""
         super().set_max_staleness(value)
         if self.ctx is not None:

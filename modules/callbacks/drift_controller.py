@@ -150,7 +150,7 @@ class DriftCallback(L.Callback):
             return self._lag_knob.lag
         return trainer.datamodule.staleness_bound()
 
-    def _set_bound(self, trainer: L.Trainer, value: int) -> None:
+    def _set_bound(self, trainer: L.Trainer, value: int | None) -> None:
         self.bound = value
         if self._lag_knob is not None:
             self._lag_knob.lag = value
@@ -267,7 +267,7 @@ class DriftCallback(L.Callback):
                     # what the run actually sees first, else the cut would change nothing (a
                     # delayed sync's lag is exact: during its ramp the run sees less of it)
                     bound = min(bound, self._observed_staleness)
-                if before is not None and bound is not None and bound > 0:
+                if before is not None and bound is not None and 0 < bound < math.inf:
                     self._set_bound(trainer, bound // 2)
                     self.notches.append(("staleness", float(before), float(bound)))
                     done.append(f"staleness bound {before} -> {bound // 2}")
@@ -319,7 +319,7 @@ class DriftCallback(L.Callback):
                 now = self._bound(trainer)
                 new = (now or 0) + 1
                 if new >= int(start):  # back where the cut started: the notch is undone
-                    new = int(value)
+                    new = None if value == math.inf else int(value)  # inf: unbounded again
                     self.notches.pop()
                 self._set_bound(trainer, new)
                 what = f"staleness bound {now} -> {new}"

@@ -18,7 +18,7 @@ Rules (``place_gpus``, run by ``train.py`` before anything is built):
   indexes, set only while the engine starts and restored after (``engine_visible_devices``), so
   the trainer and the next job of a multirun keep the set they inherited.
 
-Tested with faked device counts and inherited values (``tests/test_gpu_placement.py``); not run
+Tested with faked device counts and inherited values (``tests/unit/test_gpu_placement.py``); not run
 on a GPU here (no GPU in CI).
 """
 

@@ -89,15 +89,18 @@ def split_even(items: Sequence[Any] | None, replicas: int, field: str) -> list[A
     return [items[r * per : (r + 1) * per] for r in range(replicas)]
 
 
-def build_engine(replicas: int = 1, **engine_args: Any) -> Engine:
-    """``engine.replicas`` VLLMEngines from one config (``_target_`` of ``conf/engine``)."""
+def build_engine(
+    replicas: int = 1, cpu_cores: str | int | list[str | int] | None = "1", **engine_args: Any
+) -> Engine:
+    """``engine.replicas`` VLLMEngines from one config (``_target_`` of ``conf/engine``);
+    ``cpu_cores`` is one core spec (split into R equal runs) or a list of R of them."""
 
     from modules.engine.vllm import VLLMEngine
 
     check("engine.replicas", replicas, isinstance(replicas, int) and replicas >= 1, "an int >= 1")
     if replicas == 1:
-        return VLLMEngine(**engine_args)
-    cores = replica_cores(engine_args.pop("cpu_cores", "1"), replicas)
+        return VLLMEngine(cpu_cores=cpu_cores, **engine_args)
+    cores = replica_cores(cpu_cores, replicas)
     gpu_ids = engine_args.pop("gpu_ids", None)
     if gpu_ids == "auto":  # train.py's placement resolves it first; start() says so otherwise
         gpu_groups: list[Any] = ["auto"] * replicas

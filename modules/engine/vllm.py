@@ -62,7 +62,7 @@ class VLLMEngine(HealthCheckedWaits):
         max_model_len: int = 512,
         max_num_seqs: int = 256,
         seed: int = 0,
-        cpu_cores: str | None = "1",
+        cpu_cores: str | int | None = "1",
         cpu_kvcache_gb: int = 1,
         gpu_ids: list[int] | str | None = None,
         num_gpus: int = 1,

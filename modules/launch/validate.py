@@ -1,9 +1,13 @@
-"""Cross-field config rules, checked by train.py before anything is built.
+"""Rules that relate fields of different config groups, checked by train.py before anything is built.
 
-Single-field rules live in the constructors (``check`` calls); this file holds the rules that
-relate fields of different groups. Every failure is a ``ConfigError`` naming the field, the
-value and what is allowed.
-"""
+    python train.py rollout.sampling.max_tokens=400     # ConfigError naming the field: no room for the prompt
+
+Where the other checks live: every field's type comes from the signature of what it builds
+(``schema.py``); a single field's range or choice is checked by the constructor it configures
+(``check`` calls, run when train.py builds every object, before the engine or a model); files
+and machine resources are ``preflight.py``'s. A rule here asks a class what it is (a class
+attribute, ``issubclass``) and never reads a ``_target_``'s name. Every failure is a
+``ConfigError`` naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 

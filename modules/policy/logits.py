@@ -15,7 +15,7 @@ The chunked path assumes ``logits = head(trunk(x))``, which holds for Llama / Qw
 style models; one that post-processes logits (soft-capping, scaling) would differ, so the first
 call per model compares both paths on its inputs and stops with a ``ConfigError`` naming
 ``module.forward.logit_chunk`` if they disagree. Equality (logprobs, entropy and gradients, in
-float64) is tested in ``tests/test_logits.py``.
+float64) is tested in ``tests/unit/test_logits.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ scaled by its share): accumulation is exact only when the loss is a sum over seq
 fixed normalisers. Some are not: a self-normalised correction divides by the minibatch's mean
 weight, and ``seq_mean_token_mean`` or a group's statistics span micro-batches. Here the loss
 is the full minibatch's, so the update is the same for every loss, correction and aggregation
-(tested to float64 precision in ``tests/test_microbatch.py``), and there is still one backward
+(tested to float64 precision in ``tests/unit/test_microbatch.py``), and there is still one backward
 per optimizer step, so DDP's one gradient all-reduce and Lightning's gradient clipping are
 unchanged. The price is one more forward per micro-batch (about a third more compute than
 forward + backward): pay it only when the minibatch's activations do not fit.

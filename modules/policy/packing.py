@@ -27,7 +27,7 @@ whose attention ignores packed position ids gives (use ``module/forward=bucketed
 length, cut into micro-batches of at most ``token_budget`` padded tokens, run each padded.
 
 Equality with the padded computation (logprobs, loss and gradients, float64, every aggregation
-and correction) is tested in ``tests/test_packing.py``.
+and correction) is tested in ``tests/unit/test_packing.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
-"""GRPO LightningModule: the policy, its loss, and the metrics users read.
+"""The policy-gradient LightningModule: the policy, its loss, and the metrics users read.
 
-    python train.py recipe=sync_grpo
+    python train.py recipe=sync_grpo      # GRPO
+    python train.py recipe=ppo            # the same module with a critic (module/critic=value_model)
+
+One class for the PPO-clip family: GRPO, DAPO and PPO differ in the loss parts, the advantage
+estimator and the critic they are given (``conf/algo``, ``conf/module``), never in a flag here.
 
 The module owns the HF policy and computes response-token logprobs with the sampling
 temperature (the engine returns logprobs of the tempered distribution). It pulls each rollout

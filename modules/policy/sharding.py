@@ -8,7 +8,7 @@ Each rank holds 1/N of every parameter, its gradient and its AdamW state (DTenso
 ``_no_split_modules``, plus the root for the embeddings, final norm and head). Lightning's
 ``FSDPStrategy`` (FSDP1) is not an option on the CPU: Lightning refuses it ("The strategy `fsdp`
 requires a GPU accelerator") and torch's FSDP1 itself raises "FSDP needs a non-CPU accelerator
-device"; FSDP2 runs on gloo (``tests/test_sharding.py``).
+device"; FSDP2 runs on gloo (``tests/integration/test_sharding.py``).
 
 Under FSDP every forward of the policy is a collective (each unit all-gathers its
 parameters), so a forward that only some ranks run, or that ranks run a different number of

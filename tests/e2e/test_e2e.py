@@ -459,7 +459,7 @@ def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path,
 
 
 def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
-    """vLLM's engine core does not notice its parent's death; modules/reaper.py kills it when
+    """vLLM's engine core does not notice its parent's death; modules/engine/reaper.py kills it when
     the trainer is SIGKILLed on its own (not its whole process group)."""
     proc = start(
         tmp_path,

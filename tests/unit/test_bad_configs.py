@@ -1,5 +1,5 @@
 """At least 30 distinct bad configs, each rejected before anything heavy is built, with a
-message naming the field. In-process (fast); tests/test_config.py runs a few through train.py."""
+message naming the field. In-process (fast); tests/unit/test_config.py runs a few through train.py."""
 
 from __future__ import annotations
 

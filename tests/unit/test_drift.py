@@ -237,6 +237,39 @@ def test_streaming_bound_comes_down_from_what_the_run_sees():
     assert trainer.datamodule.bound == 1_000_000
 
 
+def test_an_unbounded_partial_rollout_is_cut_from_what_it_sees_and_relaxed_back_to_unbounded():
+    """Partial rollout's bound is null (unbounded): the datamodule reports inf, the first cut
+    starts from the observed staleness, and relaxing the last notch makes it unbounded again."""
+    from types import SimpleNamespace
+
+    from data.rollout.datamodule import RolloutDataModule
+    from data.rollout.partial import PartialRollout
+    from tests.unit.test_rollout_modes import SAMPLING
+
+    partial = PartialRollout(4, 2, SAMPLING)
+    dm = SimpleNamespace(rollout=partial)
+    assert RolloutDataModule.staleness_bound(dm) == math.inf
+    cb, trainer, module, ws, opt, sched, logged = make_run(actions=["staleness"])
+
+    def set_bound(value):
+        partial.set_max_staleness(value)
+
+    trainer.datamodule.staleness_bound = lambda: RolloutDataModule.staleness_bound(dm)
+    trainer.datamodule.set_staleness_bound = set_bound
+    cb.on_fit_start(trainer, module)
+    rng = random.Random(1)
+    for t in range(60):
+        m = drifting(t, rng, start=30)
+        m["rollout/staleness_max"] = 3.0
+        feed(cb, trainer, module, logged, m)
+    assert partial.max_staleness is not None and partial.max_staleness < 3
+    for _ in range(2000):
+        if not cb.notches:
+            break
+        feed(cb, trainer, module, logged, healthy(0, rng))
+    assert partial.max_staleness is None and not cb.notches
+
+
 def test_sync_rollout_has_no_bound_to_lower_but_lr_still_acts():
     cb, trainer, module, ws, opt, sched, logged = make_run(bound=None)
     rng = random.Random(2)

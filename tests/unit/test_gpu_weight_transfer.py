@@ -1,7 +1,7 @@
 """The NCCL weight-transfer path (engine.weight_transfer=nccl), checked without a GPU.
 
 CI has no GPU, so nothing here broadcasts. What is checked: the config field is validated,
-the CPU path never needs it, every vLLM name modules/gpu_weight_transfer.py relies on exists
+the CPU path never needs it, every vLLM name modules/engine/nccl_transfer.py relies on exists
 in the installed vLLM with the expected signature (an upgrade that renames one fails here,
 not on somebody's GPU box), and the adapters forward what vLLM's trainer engine expects.
 """

@@ -1,6 +1,6 @@
 """The chunked output head (modules/policy/logits.py): no full-vocabulary tensor, and a model whose
 logits are not head(trunk(x)) is refused. Equality with the full path, for every layout, loss
-and gradient in float64, is in tests/test_packing.py (the *_logit_chunks layouts)."""
+and gradient in float64, is in tests/unit/test_packing.py (the *_logit_chunks layouts)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checkpointed micro-batches give the full minibatch's update, where plain accumulation does not.
 
-The equality for every aggregation x correction x objective is in ``tests/test_packing.py``
+The equality for every aggregation x correction x objective is in ``tests/unit/test_packing.py``
 (micro-batched layouts are part of its table); here: the case that motivates the design (a
 self-normalised correction, whose normaliser spans micro-batches), memory that is actually
 released, no-grad passes, and bad sizes.

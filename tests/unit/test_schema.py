@@ -128,3 +128,9 @@ def test_no_list_of_dotted_config_keys_in_the_checks():
                     e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
                 ]
                 assert sum(bool(dotted.match(k)) for k in keys) < 3, (path.name, keys)
+
+
+@pytest.mark.parametrize("cores", ["engine.cpu_cores=2", "engine.cpu_cores=0-1", "engine.cpu_cores=[0,1]"])
+def test_engine_core_specs_of_every_documented_form_pass(cores):
+    """An int core, a range, or one spec per replica (engine.replicas=2)."""
+    check_types(compose(["engine.replicas=2", cores]))

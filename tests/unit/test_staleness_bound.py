@@ -123,3 +123,10 @@ def test_state_round_trips_the_batches_taken():
 def test_a_bad_bound_names_the_field(bad):
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         StalenessBound(bad, Drop(), prompts_per_step=4)
+
+
+def test_an_unbounded_admit_never_waits_and_still_counts_versions():
+    b = StalenessBound(None, Admit(), prompts_per_step=2)
+    assert b.leaves_room([0] * 100, version=0)  # every group is trainable whenever it is taken
+    assert b.counts_versions  # batches per version still counted: data.sync_every_s is refused
+    assert not b.throttles  # but nothing to throttle against
