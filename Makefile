@@ -55,11 +55,10 @@ trl-venv: .venv-trl/trl-$(TRL_VERSION)
 
 # Tiers, cheapest first (docs/testing.md): unit (no engine, no subprocess), tools (tools/ and
 # lab/), integration (the real engine, spawned workers, gloo ranks), e2e (train.py as typed).
+# One pytest session (imports once, engine fixtures shared); the summary prints each tier's time.
 TIERS := unit tools integration e2e
 test:
-	@for t in $(TIERS); do s=$$(date +%s); \
-	  $(BIN)/python -m pytest -q --durations=10 tests/$$t || exit 1; \
-	  echo "tests/$$t took $$(( $$(date +%s) - s )) s"; done
+	$(BIN)/python -m pytest -q --durations=15 $(addprefix tests/,$(TIERS))
 
 test-unit:
 	$(BIN)/python -m pytest -q tests/unit

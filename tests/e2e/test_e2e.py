@@ -489,25 +489,26 @@ def multirun(sweep_dir: Path, models: dict, *overrides: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_multirun_of_four_jobs_leaks_no_threads_processes_or_memory(tmp_path, models):
+def test_multirun_of_three_jobs_leaks_no_threads_processes_or_memory(tmp_path, models):
     """``python train.py -m`` runs its jobs one after another in one process: after each job
     the engine is gone (0 children), the thread count is back to where it was, and the
-    resident memory does not keep growing from job to job."""
-    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2,3")
+    resident memory does not keep growing from job to job (three jobs: the first pays one-off
+    imports, the second and third must agree)."""
+    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2")
     footprints = []
-    for job in range(4):
+    for job in range(3):
         line = next(
             x
             for x in (tmp_path / str(job) / "train.log").read_text().splitlines()
             if "process after job" in x
         )
         footprints.append(dict(kv.split("=") for kv in line.split("process after job: ")[1].split()))
-    assert [int(f["children"]) for f in footprints] == [0, 0, 0, 0]
+    assert [int(f["children"]) for f in footprints] == [0, 0, 0]
     threads = [int(f["threads"]) for f in footprints]
-    assert threads == [threads[0]] * 4, threads
+    assert threads == [threads[0]] * 3, threads
     rss = [int(f["rss_mb"]) for f in footprints]
     # the first job pays one-off imports; after it (heap trimmed after each job) no trend
-    assert rss[3] - rss[1] < 50, rss
+    assert rss[2] - rss[1] < 50, rss
 
 
 def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(tmp_path, models):
