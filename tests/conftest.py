@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
+import modules.launch.compose  # noqa: E402,F401  (registers the config resolvers: project_root, run_output_dir)
+
 
 def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl-test"):
     """Compose conf/train.yaml exactly as train.py does, plus overrides."""

@@ -6,6 +6,7 @@ datamodule = build(cfg.data)                        # train.py, tests
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,16 @@ def run_output_dir() -> str:
 
 
 OmegaConf.register_new_resolver("run_output_dir", run_output_dir, replace=True)
+
+
+def project_root() -> str:
+    """``paths.root_dir``: ``$PROJECT_ROOT`` if set, else this checkout. Not Hydra's runtime cwd:
+    a multirun resolves ``hydra.sweep.dir`` before any job has a runtime, and a run started
+    from another directory still finds the project's artifacts."""
+    return os.environ.get("PROJECT_ROOT") or str(ROOT)
+
+
+OmegaConf.register_new_resolver("project_root", project_root, replace=True)
 
 
 def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl") -> DictConfig:
