@@ -418,28 +418,39 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
     )
 
 
-def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path, models):
+@pytest.fixture(scope="module")
+def ddp_sweep(tmp_path_factory, models) -> Path:
+    """One ``train.py -m seed=0,1 trainer.devices=2`` sweep of 3 steps a job, shared by the DDP
+    tests below (each DDP job costs an engine start-up and a relaunched rank)."""
+    sweep = tmp_path_factory.mktemp("ddp_sweep")
+    multirun(
+        sweep,
+        models,
+        f"trainer.max_steps={DDP_STEPS}",
+        "trainer.devices=2",
+        "seed=0,1",
+        "+callbacks.zz_probe._target_=tests.ddp_probe.DumpRankWeights",
+    )
+    return sweep
+
+
+DDP_STEPS = 3
+
+
+def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(ddp_sweep, models):
     """trainer.devices=2 on the CPU (gloo): rank 0 owns the engine and scatters each rollout
     batch; both ranks train on disjoint halves and end with identical weights, which are the
     weights the engine serves."""
-    steps = 3
-    rows = train(
-        tmp_path,
-        "recipe=sync_grpo",
-        *SHRINK,
-        f"model.path={models['tied']}",
-        "task._target_=tests.helpers.DigitShareTask",
-        f"trainer.max_steps={steps}",
-        "trainer.devices=2",
-        "+callbacks.zz_probe._target_=tests.ddp_probe.DumpRankWeights",
-    )
+    steps, run_dir = DDP_STEPS, ddp_sweep / "0"
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     train_rows = [r for r in rows if r["train/loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(steps))
     assert all(float(r["perf/rank_weight_max_diff"]) == 0.0 for r in train_rows)
     # 4 prompts x 4 samples per rollout batch: each rank trained 8, no sample on both ranks
-    full = [json.loads(x) for x in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
+    full = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     shards = {
-        r: [json.loads(x) for x in (tmp_path / f"trained_samples.rank{r}.jsonl").read_text().splitlines()]
+        r: [json.loads(x) for x in (run_dir / f"trained_samples.rank{r}.jsonl").read_text().splitlines()]
         for r in (0, 1)
     }
     assert len(full) == len(shards[0]) == len(shards[1]) == steps
@@ -449,12 +460,12 @@ def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(tmp_path,
         assert len(a) == len(b) == 8 and not a & b
         assert a | b == {tuple(s) for s in full[k]["samples"]}
     # identical weights on both ranks, changed by training, equal to the engine's
-    w0 = torch.load(tmp_path / "weights.rank0.pt")
-    w1 = torch.load(tmp_path / "weights.rank1.pt")
+    w0 = torch.load(run_dir / "weights.rank0.pt")
+    w1 = torch.load(run_dir / "weights.rank1.pt")
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     before = load_file(models["tied"] / "model.safetensors")
     assert any((before[k] - w0[k]).abs().max() > 0 for k in before)
-    engine = json.loads((tmp_path / "engine_diff.json").read_text())
+    engine = json.loads((run_dir / "engine_diff.json").read_text())
     assert engine["engine_version"] == steps and engine["engine_max_abs_diff"] < 1e-4
 
 
@@ -511,16 +522,15 @@ def test_multirun_of_three_jobs_leaks_no_threads_processes_or_memory(tmp_path, m
     assert rss[2] - rss[1] < 50, rss
 
 
-def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(tmp_path, models):
+def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(ddp_sweep):
     """``-m seed=0,1 trainer.devices=2``: Lightning relaunches rank 1 from ``sys.argv``, which in
     a multirun still holds the sweep (``modules/launch/multirun.py``); each job must run once, on two
-    ranks, in its own directory."""
-    multirun(tmp_path, models, "trainer.max_steps=1", "trainer.devices=2", "seed=0,1")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
+    ranks, in its own directory (a job run twice would log twice its steps)."""
+    assert sorted(p.name for p in ddp_sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for job in ("0", "1"):
         for rank in (0, 1):
-            lines = (tmp_path / job / f"trained_samples.rank{rank}.jsonl").read_text().splitlines()
-            assert len(lines) == 1, (job, rank, lines)
+            lines = (ddp_sweep / job / f"trained_samples.rank{rank}.jsonl").read_text().splitlines()
+            assert len(lines) == DDP_STEPS, (job, rank, lines)
 
 
 def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_path, models):
