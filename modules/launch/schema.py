@@ -18,8 +18,8 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import get_object
@@ -65,7 +65,7 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(map(str, typing.get_args(hint)))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
-    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
+    if origin in (list, tuple, typing.Sequence, Sequence):
         return "a list"
     return getattr(hint, "__name__", str(hint))
 
@@ -95,9 +95,7 @@ def matches(value: Any, hint: Any) -> bool | None:
         if any(r is True for r in results):
             return True
         return None if any(r is None for r in results) else False
-    if origin in (list, tuple, typing.Sequence) or (
-        origin is not None and getattr(origin, "__name__", "") == "Sequence"
-    ):
+    if origin in (list, tuple, typing.Sequence, Sequence):
         if not isinstance(value, list | tuple):
             return False
         if not args or args == ((),):
@@ -225,8 +223,7 @@ def builds(node: Any, cls: type) -> bool:
 
 def check_types(cfg: DictConfig) -> None:
     """Check every field that a ``_target_`` receives, and the run's top-level keys."""
-    run_hints = {f.name: f.type for f in fields(RunSchema)}
-    check_fields(cfg, "", typing.get_type_hints(RunSchema) or run_hints, {"ckpt_path"})
+    check_fields(cfg, "", typing.get_type_hints(RunSchema), {"ckpt_path"})
     for path, node in _nodes(cfg):
         target = node.get("_target_") if "_target_" in node else None
         if not isinstance(target, str):
