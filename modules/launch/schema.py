@@ -87,9 +87,7 @@ def matches(value: Any, hint: Any) -> bool | None:
         return value is None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
-        return value in args and all(
-            type(value) is type(a) or _is_number(a) == _is_number(value) for a in args
-        )
+        return any(value == a and type(value) is type(a) for a in args)  # True is not Literal[1]
     if origin in (typing.Union, types.UnionType):
         results = [matches(value, a) for a in args]
         if any(r is True for r in results):
@@ -113,52 +111,31 @@ def matches(value: Any, hint: Any) -> bool | None:
     return None  # a class, a callable, a dict, ...: the constructor's business
 
 
-def _hints(target: Callable) -> dict[str, Any]:
-    """Parameter name -> annotation of ``target``'s constructor (unreadable ones left out). A
-    factory that forwards ``**kwargs`` names the class it forwards to in ``config_schema``."""
+def _fields(target: Callable) -> tuple[dict[str, Any], set[str]]:
+    """``target``'s constructor: parameter name -> annotation (unreadable ones left out), and the
+    parameters whose default is None. A factory that forwards ``**kwargs`` names the class it
+    forwards to in ``config_schema``; that class's fields count too (its own win)."""
     forwarded = getattr(target, "config_schema", None)
-    extra = _hints(get_object(forwarded)) if isinstance(forwarded, str) else {}
-    return {**extra, **_own_hints(target)}
-
-
-def _own_hints(target: Callable) -> dict[str, Any]:
+    hints, nullable = _fields(get_object(forwarded)) if isinstance(forwarded, str) else ({}, set())
     fn = target.__init__ if inspect.isclass(target) else target
-    try:
-        return {k: v for k, v in typing.get_type_hints(fn).items() if k != "return"}
-    except Exception:  # one unresolvable annotation: take the others one by one
-        pass
-    out = {}
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return out
-    module = inspect.getmodule(target)
-    namespace = {**vars(typing), **vars(types), **(vars(module) if module else {})}
-    for name, p in params.items():
-        ann = p.annotation
-        if ann is inspect.Parameter.empty:
-            continue
-        if isinstance(ann, str):
+        return hints, nullable
+    try:
+        own = {k: v for k, v in typing.get_type_hints(fn).items() if k != "return"}
+    except Exception:  # one unresolvable annotation: evaluate the others one by one
+        module = inspect.getmodule(target)
+        namespace = {**vars(typing), **vars(types), **(vars(module) if module else {})}
+        own = {}
+        for name, p in params.items():
             try:
-                ann = eval(ann, namespace)  # noqa: S307 - annotations of the project's own code
+                ann = eval(p.annotation, namespace) if isinstance(p.annotation, str) else p.annotation
             except Exception:
                 continue
-        out[name] = ann
-    return out
-
-
-def _defaults_none(target: Callable) -> set[str]:
-    forwarded = getattr(target, "config_schema", None)
-    extra = _defaults_none(get_object(forwarded)) if isinstance(forwarded, str) else set()
-    return extra | _own_defaults_none(target)
-
-
-def _own_defaults_none(target: Callable) -> set[str]:
-    fn = target.__init__ if inspect.isclass(target) else target
-    try:
-        return {n for n, p in inspect.signature(fn).parameters.items() if p.default is None}
-    except (TypeError, ValueError):
-        return set()
+            if ann is not inspect.Parameter.empty:
+                own[name] = ann
+    return {**hints, **own}, nullable | {n for n, p in params.items() if p.default is None}
 
 
 def _nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
@@ -232,4 +209,4 @@ def check_types(cfg: DictConfig) -> None:
             obj = get_object(target)
         except Exception:
             continue  # the build step names an unknown _target_ itself
-        check_fields(node, path, _hints(obj), _defaults_none(obj))
+        check_fields(node, path, *_fields(obj))

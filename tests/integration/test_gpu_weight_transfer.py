@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-
-def _params(fn) -> list[str]:
-    return list(inspect.signature(fn).parameters)
+from tests.unit.test_gpu_weight_transfer import _params
 
 
 def test_vllm_engine_side_api_exists():
