@@ -10,9 +10,13 @@ training-only measurement.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+UNI_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
 
 def parse_cores(spec: str) -> set[int]:
@@ -45,6 +49,39 @@ def configure_engine_env(cpu_cores: str | None, cpu_kvcache_gb: int, gpu_ids: li
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(PROJECT_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, paths)])
+
+
+def executor_args(executor: str | None) -> dict[str, Any]:
+    """vLLM engine arguments for ``engine.executor``. ``uni`` is passed as the executor's
+    qualified name: vLLM-CPU rewrites the name "uni" to "mp" because its multiprocess executor
+    is what binds the worker's OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND``;
+    ``uni_process_pinning`` does that binding for the engine core process instead."""
+    if executor == "uni":
+        return {"distributed_executor_backend": UNI_EXECUTOR}
+    return {} if executor is None else {"distributed_executor_backend": executor}
+
+
+@contextmanager
+def uni_process_pinning(executor: str | None, cpu_cores: str | int | None) -> Iterator[None]:
+    """Around the engine's build with ``engine.executor=uni`` on a CPU: the engine core process
+    (which then runs the model) is spawned from this thread, so it inherits this thread's
+    affinity (``cpu_cores``) and ``OMP_NUM_THREADS`` (one thread per core); both are restored
+    afterwards. Anything else: nothing changes."""
+    if executor != "uni" or not names_cores(cpu_cores) or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    cores = parse_cores(str(cpu_cores))
+    saved_affinity, saved_threads = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved_affinity)
+        if saved_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
 
 
 class CorePinning:

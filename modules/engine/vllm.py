@@ -26,7 +26,7 @@ from modules.engine import reaper
 from modules.engine.busy import BusyClock
 from modules.engine.gpus import engine_devices, engine_visible_devices
 from modules.engine.loop_thread import CallbackThread, LoopThread
-from modules.engine.placement import CorePinning, configure_engine_env
+from modules.engine.placement import CorePinning, configure_engine_env, executor_args, uni_process_pinning
 from modules.engine.shm_transfer import make_transfer
 from modules.engine.types import (
     INFLIGHT_MODES,
@@ -76,6 +76,7 @@ class VLLMEngine(HealthCheckedWaits):
         weight_transfer: str = "shm",
         nccl_host: str = "127.0.0.1",
         chunked_prefill: bool | None = None,
+        executor: str | None = None,
     ) -> None:
         check("engine.max_model_len", max_model_len, max_model_len >= 16, "an int >= 16")
         check("engine.max_num_seqs", max_num_seqs, max_num_seqs >= 1, "an int >= 1")
@@ -96,6 +97,13 @@ class VLLMEngine(HealthCheckedWaits):
             weight_transfer != "nccl" or gpu_ids is not None,
             "shm when engine.gpu_ids is null (nccl needs the engine on dedicated GPUs)",
         )
+        # null: vLLM's own layout; uni: the worker inside the engine core (conf/engine/vllm_cpu.yaml)
+        check_choice("engine.executor", executor, (None, "uni", "mp"))
+        one_device = gpu_ids in (None, "auto") or isinstance(gpu_ids, str) or len(gpu_ids) == 1
+        check(
+            "engine.executor", executor, executor != "uni" or one_device, "null or mp with more than one GPU"
+        )
+        self.executor = executor
         self.model_path = str(model_path)
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -190,8 +198,10 @@ class VLLMEngine(HealthCheckedWaits):
             disable_log_stats=True,
             **({} if self.chunked_prefill is None else {"enable_chunked_prefill": self.chunked_prefill}),
             **self._transfer.engine_args(),
+            **executor_args(self.executor),
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        with uni_process_pinning(self.executor, self.cpu_cores if self.gpu_ids is None else None):
+            self._llm = AsyncLLM.from_engine_args(args)
 
     def shutdown(self) -> None:
         """Stop the engine and its child processes. Safe to call twice."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, SHRINK
+from tests.conftest import DEFAULT_EXECUTOR, ROOT, SHRINK
 
 pytestmark = pytest.mark.e2e
 
@@ -478,6 +478,7 @@ def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
         "task._target_=tests.helpers.DigitShareTask",
         "trainer.max_steps=1000",
         "data.eval_size=0",
+        DEFAULT_EXECUTOR,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (tmp_path / "trained_prompts.jsonl").exists():
@@ -505,7 +506,7 @@ def test_multirun_of_three_jobs_leaks_no_threads_processes_or_memory(tmp_path, m
     the engine is gone (0 children), the thread count is back to where it was, and the
     resident memory does not keep growing from job to job (three jobs: the first pays one-off
     imports, the second and third must agree)."""
-    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2")
+    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2", DEFAULT_EXECUTOR)
     footprints = []
     for job in range(3):
         line = next(

@@ -147,8 +147,23 @@ def test_engine_death_raises_within_seconds(untied_engine):
 
 
 def test_shutdown_leaves_no_processes(models):
+    """With ``engine.executor=uni`` (the worker inside the engine core; the e2e runs use it):
+    one engine process, on the engine's cores, with one OpenMP thread per core, and nothing
+    left after shutdown. (vLLM's default layout is shut down after every e2e multirun job.)"""
     before = {p.pid for p in engine_processes()}
-    eng = VLLMEngine(str(models["untied"]), max_model_len=128, max_num_seqs=4, pin_trainer=False).start()
+    eng = VLLMEngine(
+        str(models["untied"]),
+        max_model_len=128,
+        max_num_seqs=4,
+        pin_trainer=False,
+        executor="uni",
+        cpu_cores="1",
+    ).start()
+    assert os.sched_getaffinity(0) != {1} or os.cpu_count() == 1  # this thread was restored
+    procs = [
+        p for p in engine_processes(exclude=before) if "modules.engine.reaper" not in " ".join(p.cmdline())
+    ]
+    assert len(procs) == 1 and procs[0].cpu_affinity() == [1], [(p.name(), p.cpu_affinity()) for p in procs]
     eng.wait_result(eng.submit([5, 6], SamplingConfig(max_tokens=4)), timeout=60)
     eng.shutdown()
     deadline = time.monotonic() + 20
