@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from modules.engine.gpus import place_gpus
+from modules.launch.cli import report_config_errors, startup
 from modules.launch.compose import build
 from modules.launch.guard import guarded_fit
 from modules.launch.multirun import this_job_for_ddp_children
@@ -28,18 +29,19 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
-    place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split to type
-    validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
-    L.seed_everything(cfg.seed, workers=True)
-    torch.set_num_threads(cfg.torch_threads)
-    # Everything below is cheap to construct and validates its arguments; the engine and the
-    # model are only built inside fit(), so a bad value fails here, within seconds.
-    datamodule = build(cfg.data)
-    module = build(cfg.module)
-    callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
-    check_environment(cfg)  # files that must exist, cores / GPUs / memory this machine has
-    trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+    with startup():  # a bad value here exits 2 with one message naming it (modules/launch/cli.py)
+        place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split
+        validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
+        L.seed_everything(cfg.seed, workers=True)
+        torch.set_num_threads(cfg.torch_threads)
+        # Everything below is cheap to construct and validates its arguments; the engine and
+        # the model are only built inside fit(), so a bad value fails here, within seconds.
+        datamodule = build(cfg.data)
+        module = build(cfg.module)
+        callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
+        loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
+        check_environment(cfg)  # files that must exist, cores / GPUs / memory this machine has
+        trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metric = trainer.callback_metrics.get(cfg.optimized_metric)
@@ -54,4 +56,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    report_config_errors()  # config errors: one message, exit 2, no traceback
     main()

@@ -340,8 +340,12 @@ class RolloutController:
         return exp
 
     def informative(self, group: list[Experience]) -> bool:
-        """Whether ``rollout.group_filter`` keeps a complete group (always, without one)."""
-        return self.group_filter is None or self.group_filter.keep([e.reward for e in group])
+        """Whether ``rollout.group_filter`` keeps a complete group (always, without one). Judged on
+        the task's own reward, before the overlong shaping: DAPO filters on accuracy, and length
+        differences among equally right answers teach nothing about being right."""
+        if self.group_filter is None:
+            return True
+        return self.group_filter.keep([e.extras.get("task_reward", e.reward) for e in group])
 
     def finish_group(self, group: list[Experience]) -> list[Experience]:
         """Attach advantages once all G rewards are in."""

@@ -4,8 +4,9 @@
     python train.py rollout/group_filter=informative          # dynamic sampling alone
     python train.py rollout/overlong=soft rollout.overlong.buffer=64
 
-* ``InformativeGroups`` (``rollout.group_filter``): a group whose G rewards are all equal has
-  zero group advantage, so it adds no policy gradient but still fills the batch (and the
+* ``InformativeGroups`` (``rollout.group_filter``): a group whose G task rewards are all equal
+  (judged before the overlong shaping below: for a 0/1 task, all right or all wrong, as DAPO
+  filters on accuracy) has zero group advantage, so it adds no policy gradient but still fills the batch (and the
   token-mean's denominator). The filter refuses such groups; each mode replaces them: sync
   samples more groups until P informative ones are in (at most ``max_rounds`` extra rounds,
   sized by the informative rate seen so far; then the batch is topped up with refused groups,

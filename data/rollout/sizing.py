@@ -15,7 +15,8 @@ Rate matching (with ``max_inflight=auto``) sets the outstanding target from meas
 by Little's law: to have a batch ready whenever the trainer asks, about ``lambda x L`` groups
 must be generating, where ``lambda`` is the rate groups leave generation (the trainer's batches
 plus the groups dropped or refused meanwhile: counting only the trained ones would under-size
-a dropping policy by its drop rate; groups per second, an exponential average over takes) and
+a dropping policy by its drop rate; a response dropped on its own, under per-response release,
+counts 1/G of a group; groups per second, an exponential average over takes) and
 ``L`` the mean time a group takes from its start to its last response (over the last
 ``max(4 P, 32)`` groups), plus one batch (``P``) ready. The target is ``ceil(lambda L) + P``
 within [``P``, the capacity]:

@@ -116,7 +116,10 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self._error: BaseException | None = None
         self._closed = False
         self.started_groups = 0
-        self._refused_since_take = self._wasted = 0  # refused since the last batch; dropped + refused
+        self._refused_since_take = 0  # refused since the last batch
+        # groups that left generation untrained (dropped, cancelled, refused), in groups: under
+        # per-response release a dropped buffer unit is 1/G of a group (rate matching's count)
+        self._wasted_groups = self._wasted_at_take = 0.0
         counted = (
             "dropped",
             "cancelled",
@@ -248,6 +251,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 ):
                     del self._groups[p.group_id]  # dynamic sampling: refused, replaced
                     self.counters["filtered"] += 1
+                    self._wasted_groups += 1
                     self.bias.on_issue(group.row.get("level"), -self.group_size)  # not trained
                     self._replace_refused()
                 elif len(group.exps) == self.group_size:
@@ -285,9 +289,9 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 batch = self._take()
                 if batch is not None:
                     self._refused_since_take = 0
-                    wasted = self.counters["dropped"] + self.counters["filtered"]  # left generation too
-                    self._sizing.after_take(self.prompts_per_step + wasted - self._wasted, engine.clock())
-                    self._wasted = wasted
+                    left = self.prompts_per_step + self._wasted_groups - self._wasted_at_take
+                    self._sizing.after_take(left, engine.clock())  # what left generation, in groups
+                    self._wasted_at_take = self._wasted_groups
                     self.stats["rollout/outstanding_target"] = float(self._sizing.outstanding)
                     self._top_up()
                     return batch
@@ -321,7 +325,8 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             self._cancel_doomed(version)
         for r in [r for r in self._buffer if self.bound.too_stale(version, r.start_version)]:
             self._buffer.remove(r)
-            self.counters["dropped"] += 1
+            self.counters["dropped"] += 1  # buffer units: groups, or responses when released singly
+            self._wasted_groups += 1 / self._units_per_group
         # 2) Choose P groups by the selection rule (FIFO, stratified, admission).
         view = BatchView(
             buffer=self._buffer,
@@ -372,7 +377,10 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 del self._requests[fut]
                 fut.cancel()
         for gid in doomed:
-            del self._groups[gid]
+            group = self._groups.pop(gid)
+            # under per-response release its finished responses are already in the buffer
+            released = len(group.exps) if self._units_per_group > 1 else 0
+            self._wasted_groups += 1 - released / self.group_size
         self.counters["dropped"] += len(doomed)
         self.counters["cancelled"] += len(doomed)
 

@@ -14,19 +14,23 @@ callable, a forward reference) are not checked here; their constructors check th
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import math
 import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from modules.launch.config_errors import check
+from modules.launch.config_errors import ConfigError, check
 
+CONF = Path(__file__).resolve().parents[2] / "conf"
 RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 _SIMPLE_REF = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
 
@@ -138,7 +142,101 @@ def _fields(target: Callable) -> tuple[dict[str, Any], set[str]]:
     return {**hints, **own}, nullable | {n for n, p in params.items() if p.default is None}
 
 
-def _nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
+def accepted_names(target: Callable) -> set[str] | None:
+    """Every keyword ``target`` accepts (with what a ``config_schema`` factory forwards to); None
+    when it takes any (``**kwargs`` with nowhere named to forward them)."""
+    fn = target.__init__ if inspect.isclass(target) else target
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    names = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        forwarded = getattr(target, "config_schema", None)
+        inner = accepted_names(get_object(forwarded)) if isinstance(forwarded, str) else None
+        return None if inner is None else names | inner
+    return names
+
+
+def check_known_keys(node: DictConfig, path: str, target: Callable) -> None:
+    """A key the target does not take (a typo, or a ``+key`` it has no use for) is refused,
+    naming the field, the keys it takes and the closest one."""
+    names = accepted_names(target)
+    if names is None:
+        return
+    for key in node.keys():
+        if key in RESERVED or not isinstance(key, str) or key in names:
+            continue
+        close = difflib.get_close_matches(key, sorted(names), n=1)
+        hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"unknown config field {path + '.' if path else ''}{key}{hint}: "
+            f"{getattr(target, '__qualname__', target)} takes {', '.join(sorted(names))}"
+        )
+
+
+def _non_finite(value: Any) -> list[float]:
+    if isinstance(value, float):
+        return [value] if not math.isfinite(value) else []
+    if isinstance(value, list | tuple):
+        return [v for item in value for v in _non_finite(item)]
+    return []
+
+
+def check_finite(cfg: DictConfig) -> None:
+    """inf and nan are refused in every field, except where the class a node builds lists the
+    field in ``accepts_infinite`` (and documents what inf means there); nan never."""
+    for path, node in nodes(cfg):
+        if path.split(".")[0] == "hydra":
+            continue
+        allowed = set(getattr(target_class(node), "accepts_infinite", ()))
+        for key in node.keys():
+            if OmegaConf.is_interpolation(node, key):
+                continue  # checked where it is defined
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                continue
+            try:
+                value = _plain(node[key])
+            except Exception:
+                continue
+            bad = _non_finite(value)
+            field = f"{path}.{key}" if path else str(key)
+            if bad and (key not in allowed or any(math.isnan(v) for v in bad)):
+                extra = " (inf: " + str(key) + " allows it, nan never)" if key in allowed else ""
+                check(field, value, False, f"a finite number{extra}")
+
+
+def group_options(path: str) -> list[str] | None:
+    """The options of the config group at dotted ``path`` (``rollout.staleness`` ->
+    conf/rollout/staleness/*.yaml), or None when ``path`` is not a group."""
+    folder = CONF.joinpath(*path.split("."))
+    if not folder.is_dir():
+        return None
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def check_groups(cfg: DictConfig) -> None:
+    """A config group set to a plain value with a dotted override (``rollout.staleness=throttle``
+    instead of ``rollout/staleness=throttle``) is refused, naming the options."""
+    for path, node in nodes(cfg):
+        for key in node.keys():
+            if not isinstance(key, str) or OmegaConf.is_interpolation(node, key):
+                continue
+            field = f"{path}.{key}" if path else key
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) or child._is_none():
+                continue
+            options = group_options(field)
+            if options:
+                group = field.replace(".", "/")
+                raise ConfigError(
+                    f"invalid config value {field}={node[key]!r}: {field} is a config group; "
+                    f"choose one with {group}=<option> (one of {', '.join(options)})"
+                )
+
+
+def nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
     """Every dict node reachable without following an interpolation, with its dotted path."""
     yield path, cfg
     for key in cfg.keys():
@@ -146,7 +244,7 @@ def _nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
             continue
         child = cfg._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
-            yield from _nodes(child, f"{path}.{key}" if path else key)
+            yield from nodes(child, f"{path}.{key}" if path else key)
 
 
 def _plain(value: Any) -> Any:
@@ -199,9 +297,11 @@ def builds(node: Any, cls: type) -> bool:
 
 
 def check_types(cfg: DictConfig) -> None:
-    """Check every field that a ``_target_`` receives, and the run's top-level keys."""
+    """Check every field that a ``_target_`` receives (known keys, types), the run's top-level
+    keys, that no group was set to a plain value, and that no number is inf or nan."""
+    check_groups(cfg)
     check_fields(cfg, "", typing.get_type_hints(RunSchema), {"ckpt_path"})
-    for path, node in _nodes(cfg):
+    for path, node in nodes(cfg):
         target = node.get("_target_") if "_target_" in node else None
         if not isinstance(target, str):
             continue
@@ -209,4 +309,6 @@ def check_types(cfg: DictConfig) -> None:
             obj = get_object(target)
         except Exception:
             continue  # the build step names an unknown _target_ itself
+        check_known_keys(node, path, obj)
         check_fields(node, path, *_fields(obj))
+    check_finite(cfg)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from modules.algo.advantages import GroupAdvantage
 from modules.algo.corrections import NoCorrection
 from modules.launch.config_errors import check
+from modules.launch.external import check_optimizers, check_trainer
 from modules.launch.schema import builds, check_types, target_class
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ def validate(cfg: DictConfig) -> None:
     from modules.policy.lora import validate_lora
 
     validate_lora(cfg)  # model.lora: fields, module, strategy, names of the model's layers
+    check_trainer(cfg)  # Lightning's and torch's arguments, which they check late or never
+    check_optimizers(cfg)
     if getattr(target_class(cfg.get("module")), "needs_engine", False):
         _validate_rl(cfg)
 
@@ -182,7 +185,8 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
     """Settings that run without error but make the estimator learn nothing or nonsense."""
     rollout, algo = cfg.rollout, cfg.algo
     group_size = rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
-    if builds(algo.advantage, GroupAdvantage) and group_size >= 1:
+    # with a critic (recipe=ppo) the advantages are the critic's: one response per prompt is fine
+    if builds(algo.advantage, GroupAdvantage) and group_size >= 1 and cfg.module.get("critic") is None:
         check(
             "rollout.group_size",
             rollout.group_size,

@@ -95,6 +95,10 @@ def value_loss(
 class Critic(nn.Module):
     """Holds the value model and the PPO-critic settings (``module.critic``)."""
 
+    # inf truncates nothing (V-trace's untruncated return); config: `.inf` in YAML, `inf` on the
+    # command line (module.critic.rho_bar=inf). Other fields must be finite (launch/schema.py).
+    accepts_infinite = ("rho_bar", "c_bar")
+
     def __init__(
         self,
         model_path: str,
@@ -113,8 +117,8 @@ class Critic(nn.Module):
         check("module.critic.lr", lr, lr > 0, "a float > 0")
         check("module.critic.coef", coef, coef > 0, "a float > 0")
         check("module.critic.clip", clip, clip is None or clip > 0, "null or a float > 0")
-        check("module.critic.rho_bar", rho_bar, rho_bar > 0, "a float > 0 (.inf: untruncated)")
-        check("module.critic.c_bar", c_bar, c_bar > 0, "a float > 0 (.inf: untruncated)")
+        check("module.critic.rho_bar", rho_bar, rho_bar > 0, "a float > 0 (inf: untruncated)")
+        check("module.critic.c_bar", c_bar, c_bar > 0, "a float > 0 (inf: untruncated)")
         self.model_path = str(model_path)
         self.lr, self.coef, self.gamma, self.lam, self.clip = lr, coef, gamma, lam, clip
         self.rho_bar, self.c_bar, self.whiten_advantages = rho_bar, c_bar, whiten_advantages

@@ -165,3 +165,22 @@ def test_sync_filter_counts_survive_a_checkpoint():
     )
     fresh.load_state_dict(state)
     assert fresh.stats["rollout/filtered"] == ctl.stats["rollout/filtered"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "streaming"])
+def test_dynamic_sampling_judges_the_tasks_reward_not_the_length_shaped_one(mode):
+    """All answers right but of different lengths: the soft overlong penalty makes the shaped
+    rewards differ, yet the group teaches nothing about correctness, so DAPO refuses it (it
+    filters on accuracy). Lengths 10 and 12 with max_tokens 12, buffer 4: shaped rewards 0.5
+    and 0.0, task rewards 1 and 1."""
+    right_both = [10, 12]
+    sampling = SamplingConfig(max_tokens=12)
+    shaping = {"group_filter": InformativeGroups(max_rounds=1), "overlong": Overlong(buffer=4)}
+    if mode == "sync":
+        ctl = SyncRollout(1, G, sampling, **shaping)
+    else:
+        ctl = StreamingRollout(1, G, sampling, max_inflight=2, max_staleness=1, **shaping)
+    ctl = bind(ctl, [right_both, [4, 12]] * 20)
+    batch = ctl.next_batch()
+    assert sorted(e.extras["task_reward"] for e in batch) == [0.0, 1.0]  # only the informative group
+    assert ctl.stats["rollout/filtered"] >= 1

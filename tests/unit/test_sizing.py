@@ -159,3 +159,30 @@ def test_throttle_never_starts_more_than_k_plus_one_batches_ahead():
     # the 200-token groups outlive K versions and are trained anyway, counted, not dropped
     assert ctl.counters["over_bound"] > 0
     assert max(e.staleness for e in trained) > 1
+
+
+def test_rate_matching_counts_dropped_responses_as_groups(monkeypatch):
+    """Per-response release (a running baseline): the buffer holds single responses, and a
+    dropping policy drops them one by one. What left generation is measured in groups (G
+    responses = one group), so the groups counted between takes can never exceed the groups
+    started (a run dropped 140 responses while starting 87 groups, and the rate counted 140)."""
+    from data.rollout.staleness import Drop
+    from data.rollout.streaming import StreamingRollout
+    from modules.algo.advantages import RunningBaseline
+    from tests.unit.test_rollout_modes import SAMPLING, bind
+
+    counted = []
+    real = Sizing.after_take
+    monkeypatch.setattr(
+        Sizing, "after_take", lambda self, groups, now: (counted.append(groups), real(self, groups, now))[1]
+    )
+    eng = SimEngine(max_concurrency=64)
+    g = 4
+    ctl = StreamingRollout(2, g, SAMPLING, max_inflight="auto", max_staleness=0, staleness=Drop())
+    bind(ctl, eng, [5, 60, 5, 300, 5, 5, 120, 9] * 40, advantage=RunningBaseline())
+    for _ in range(10):
+        ctl.next_batch()
+        eng.advance_to(eng.now + 20.0)
+        eng.update_weights({}, eng.version + 1, inflight="keep")
+    assert ctl.counters["dropped"] > g  # responses were dropped
+    assert counted and sum(counted) <= ctl.started_groups, (sum(counted), ctl.started_groups)
