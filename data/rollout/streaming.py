@@ -95,6 +95,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         self.buffer_capacity = buffer_capacity
         self.max_age_s = max_age_s
         self.inflight = inflight
+        check("rollout.wait_timeout_s", wait_timeout_s, wait_timeout_s > 0, "a float > 0 (seconds)")
         self.wait_timeout_s = wait_timeout_s
         if self.admission_control:
             check(

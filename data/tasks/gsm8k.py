@@ -55,6 +55,8 @@ class GSM8KTask:
     name: str = "gsm8k"
     dataset: str = "openai/gsm8k"
     offline: bool = False  # use the bundled examples instead of the hub
+    # fields naming hub datasets: the start-up check asks this machine for them (preflight.py)
+    hub_datasets = ("dataset",)
 
     def __post_init__(self) -> None:
         check("task.dataset", self.dataset, bool(self.dataset), "a dataset name on the hub")

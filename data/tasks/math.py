@@ -195,6 +195,7 @@ class MathTask:
     chat_template: bool = True  # false: plain prompt even if the tokenizer has a template
     seed: int = 0  # order of the rows before the first `size` are taken
     offline: bool = False  # use the bundled examples instead of the hub
+    hub_datasets = ("train_dataset", "eval_dataset")  # checked on this machine at start-up
 
     def __post_init__(self) -> None:
         for field in ("train_dataset", "eval_dataset"):

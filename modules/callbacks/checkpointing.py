@@ -50,8 +50,10 @@ class CheckpointOnInterrupt(L.Callback):
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath
         self._sigterm = False
+        self._training = False  # interrupted before the loop (model load, engine start): nothing to save
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training = True
         # DDP: Lightning's SIGTERM handler broadcasts from inside the signal handler, which
         # collides with a collective the other ranks are blocked in (here: the scatter of the
         # next rollout batch), so a rank crashes and the run dies without a checkpoint. Only
@@ -89,6 +91,9 @@ class CheckpointOnInterrupt(L.Callback):
         elif isinstance(exception, SIGTERMException):
             code = EXIT_SIGTERM
         else:
+            return
+        if not self._training:
+            print(f"interrupted (exit {code}) before training started: no checkpoint", flush=True)
             return
         sharded = is_sharded(pl_module.policy)
         if sharded and code != EXIT_SIGTERM:  # gathering FSDP shards needs every rank here

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from modules.launch.config_errors import check, check_choice
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 UNI_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
@@ -49,6 +51,14 @@ def configure_engine_env(cpu_cores: str | None, cpu_kvcache_gb: int, gpu_ids: li
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(PROJECT_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, paths)])
+
+
+def check_executor(executor: str | None, gpu_ids: object) -> None:
+    """``engine.executor``: null (vLLM's own layout), uni (the worker inside the engine core:
+    one device) or mp (a worker process per device)."""
+    check_choice("engine.executor", executor, (None, "uni", "mp"))
+    one_device = gpu_ids in (None, "auto") or isinstance(gpu_ids, str) or len(gpu_ids) == 1  # type: ignore[arg-type]
+    check("engine.executor", executor, executor != "uni" or one_device, "null or mp with more than one GPU")
 
 
 def executor_args(executor: str | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from modules.engine.reaper import scratch_prefix
 from modules.engine.types import EngineError, WeightTransfer
 
 LOAD_TIMEOUT_S = 300.0
@@ -41,7 +42,8 @@ def prepared(named_tensors: dict[str, torch.Tensor]) -> Iterator[PreparedWeights
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     from safetensors.torch import save_file
 
-    with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=scratch_dir(nbytes)) as f:
+    prefix = scratch_prefix(os.getpid())  # the reaper removes it if this process is killed mid-sync
+    with tempfile.NamedTemporaryFile(prefix=prefix, suffix=".safetensors", dir=scratch_dir(nbytes)) as f:
         save_file(tensors, f.name)
         yield PreparedWeights(f.name, len(tensors))
 

@@ -26,7 +26,13 @@ from modules.engine import reaper
 from modules.engine.busy import BusyClock
 from modules.engine.gpus import engine_devices, engine_visible_devices
 from modules.engine.loop_thread import CallbackThread, LoopThread
-from modules.engine.placement import CorePinning, configure_engine_env, executor_args, uni_process_pinning
+from modules.engine.placement import (
+    CorePinning,
+    check_executor,
+    configure_engine_env,
+    executor_args,
+    uni_process_pinning,
+)
 from modules.engine.shm_transfer import make_transfer
 from modules.engine.types import (
     INFLIGHT_MODES,
@@ -86,7 +92,8 @@ class VLLMEngine(HealthCheckedWaits):
             dtype in ("float32", "bfloat16", "float16", "auto"),
             "one of float32, bfloat16, float16, auto",
         )
-        check("engine.stall_timeout_s", stall_timeout_s, stall_timeout_s > 0, "a float > 0")
+        for name, value in (("stall_timeout_s", stall_timeout_s), ("startup_timeout_s", startup_timeout_s)):
+            check(f"engine.{name}", value, value > 0, "a float > 0 (seconds)")
         ok = gpu_ids in (None, "auto") or (not isinstance(gpu_ids, str) and len(gpu_ids) >= 1)
         check("engine.gpu_ids", gpu_ids, ok, "null, auto or a non-empty list")
         # shm: safetensors files in /dev/shm (any device); nccl: GPU-to-GPU (docs/gpu.md).
@@ -97,12 +104,7 @@ class VLLMEngine(HealthCheckedWaits):
             weight_transfer != "nccl" or gpu_ids is not None,
             "shm when engine.gpu_ids is null (nccl needs the engine on dedicated GPUs)",
         )
-        # null: vLLM's own layout; uni: the worker inside the engine core (conf/engine/vllm_cpu.yaml)
-        check_choice("engine.executor", executor, (None, "uni", "mp"))
-        one_device = gpu_ids in (None, "auto") or isinstance(gpu_ids, str) or len(gpu_ids) == 1
-        check(
-            "engine.executor", executor, executor != "uni" or one_device, "null or mp with more than one GPU"
-        )
+        check_executor(executor, gpu_ids)  # null, uni or mp (conf/engine/vllm_cpu.yaml)
         self.executor = executor
         self.model_path = str(model_path)
         self.dtype = dtype
@@ -164,17 +166,18 @@ class VLLMEngine(HealthCheckedWaits):
                 self.weight_transfer, len(self.gpu_ids or ()), self.dtype, self.nccl_host
             )
         children_before = reaper.child_pids()
+        # Watching before the build: a trainer killed while the engine starts leaves nothing.
+        self._reaper = reaper.launch(children_before)
         self._thread = LoopThread("asyncrl-engine")
         try:
             with engine_visible_devices(engine_devices(self.gpu_ids, self.visible_devices)):
                 self._thread.start(self._build, self.startup_timeout_s)
-        except BaseException:  # failure, timeout or Ctrl-C during start-up: leave nothing behind
-            self.shutdown()
+        except BaseException as e:  # failure, timeout, Ctrl-C or SIGTERM during start-up: leave nothing
+            self.shutdown(build_wait_s=None if isinstance(e, Exception) else 5.0)
             raise
         self._callbacks = CallbackThread("asyncrl-completions")
         self.started_at = time.time()
-        # If the trainer dies without shutting the engine down, the reaper kills its processes.
-        self._reaper = reaper.watch_children(children_before)
+        reaper.freeze(self._reaper, reaper.engine_pids(children_before, {self._reaper.pid}))
         self.pinning.apply()
         return self
 
@@ -203,11 +206,13 @@ class VLLMEngine(HealthCheckedWaits):
         with uni_process_pinning(self.executor, self.cpu_cores if self.gpu_ids is None else None):
             self._llm = AsyncLLM.from_engine_args(args)
 
-    def shutdown(self) -> None:
-        """Stop the engine and its child processes. Safe to call twice."""
+    def shutdown(self, build_wait_s: float | None = None) -> None:
+        """Stop the engine and its child processes. Safe to call twice. An interrupted start-up
+        is given ``build_wait_s`` (default: the start-up timeout) to finish; the reaper kills
+        whatever it started after that."""
         thread = self._thread
         if thread is not None:
-            thread.wait_built(self.startup_timeout_s)  # interrupted start-up: reap what it built
+            thread.wait_built(self.startup_timeout_s if build_wait_s is None else build_wait_s)
         llm, self._llm = self._llm, None
         if llm is not None and thread is not None and thread.alive:
             # Cancel the output handler before the core goes away, inside the engine's loop,
@@ -281,12 +286,7 @@ class VLLMEngine(HealthCheckedWaits):
         return self._call(self._generate(list(prompt_ids), sampling, seed, rid, prompt_logprobs))
 
     async def _generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingConfig,
-        seed: int | None,
-        rid: str,
-        prompt_logprobs: bool,
+        self, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None, rid: str, logprobs_in: bool
     ) -> Completion:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -301,7 +301,7 @@ class VLLMEngine(HealthCheckedWaits):
             ignore_eos=sampling.ignore_eos,
             seed=seed,
             logprobs=0,  # logprob of the sampled token only
-            prompt_logprobs=0 if prompt_logprobs else None,
+            prompt_logprobs=0 if logprobs_in else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             detokenize=False,
         )
@@ -329,7 +329,7 @@ class VLLMEngine(HealthCheckedWaits):
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs or [], token_ids)]
         spans = [(as_version(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         comp = Completion(rid, prompt_ids, token_ids, logprobs, c.finish_reason, start, end, spans)
-        if prompt_logprobs:
+        if logprobs_in:
             # Entry 0 is None (the first token has no context); keep one float per prompt token.
             comp.prompt_logprobs = [
                 None if d is None else float(d[t].logprob) for d, t in zip(final.prompt_logprobs, prompt_ids)

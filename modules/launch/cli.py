@@ -52,6 +52,9 @@ def full_error() -> bool:
 def message(exc: BaseException) -> str:
     """The error's own words, with the cause Hydra wraps (OmegaConf's reason) when it adds one."""
     text = str(exc).strip()
+    if isinstance(exc, OverrideParseException):  # Hydra's parser does not say which override
+        overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+        text = f"cannot parse the override(s) {' '.join(overrides)}: {text}"
     cause = exc.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip() not in text:
         text = f"{text}\n{str(cause).strip()}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from modules.launch.config_errors import ConfigError
 
@@ -69,7 +69,9 @@ def compose(overrides: list[str] | None = None, output_dir: str = "/tmp/asyncrl"
 
 
 def build(cfg: DictConfig, **kwargs: Any) -> Any:
-    """``instantiate`` that surfaces our ConfigError (naming the field) instead of Hydra's wrapper."""
+    """``instantiate`` that reports a failure as a ``ConfigError`` naming the field: ours as
+    raised (it names it), another library's (Lightning's Trainer, a callback) under the key
+    of this node its message mentions."""
     try:
         return instantiate(cfg, **kwargs)
     except InstantiationException as e:
@@ -78,4 +80,22 @@ def build(cfg: DictConfig, **kwargs: Any) -> Any:
             cause = cause.__cause__
         if isinstance(cause, ConfigError):
             raise ConfigError(str(cause)) from None
-        raise
+        raise ConfigError(blame(cfg, e.__cause__ or e)) from None
+
+
+def blame(node: DictConfig, error: BaseException) -> str:
+    """A message naming the key of ``node`` that ``error`` is about (the first one its text
+    mentions as ``key=``, `` `key` `` or ``'key'``), with the value given."""
+    path = node._get_full_key(None) if hasattr(node, "_get_full_key") else ""
+    text = str(error).strip() or type(error).__name__
+    for key in node.keys():
+        if not isinstance(key, str) or key.startswith("_"):
+            continue
+        if any(f"{q}{key}{q2}" in text for q, q2 in (("", "="), ("`", "`"), ("'", "'"), ("(", "="))):
+            try:
+                value = node[key]
+            except Exception:
+                value = "?"
+            value = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+            return f"invalid config value {path}.{key}={value!r}: {text}"
+    return f"invalid config for {path or 'the run'}: {text}"

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from modules.launch.config_errors import ConfigError, check
 from modules.launch.schema import nodes, target_class
@@ -20,21 +20,40 @@ from modules.launch.schema import nodes, target_class
 
 def check_optimizers(cfg: DictConfig) -> None:
     """Every ``_partial_`` torch optimizer in the config is built once on a dummy parameter, so
-    torch's own argument checks (lr >= 0, betas in [0, 1), eps >= 0, ...) run now; the message
-    names the field."""
+    torch's own argument checks (lr >= 0, betas in [0, 1), eps >= 0, ...) run now; the field is
+    the one that fails on its own (with the class's defaults for the others)."""
     import torch
-    from hydra.utils import instantiate
 
     for path, node in nodes(cfg):
         cls = target_class(node)
         if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
             continue
-        try:
-            make = instantiate(node)
-            make([torch.nn.Parameter(torch.zeros(1))]) if callable(make) else None
-        except (ValueError, TypeError) as e:
-            cause = e.__cause__ or e
-            raise ConfigError(f"invalid config value {path}: {cause} ({cls.__name__})") from None
+        args = {k: _plain(node[k]) for k in node.keys() if isinstance(k, str) and not k.startswith("_")}
+        reason = _refusal(cls, args)
+        if reason is None:
+            continue
+        for key, value in args.items():
+            alone = _refusal(cls, {key: value})
+            if alone is not None:
+                raise ConfigError(f"invalid config value {path}.{key}={value!r}: {alone} ({cls.__name__})")
+        raise ConfigError(f"invalid config value {path}: {reason} ({cls.__name__})")
+
+
+def _plain(value: Any) -> Any:
+    return (
+        OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
+    )
+
+
+def _refusal(cls: type, args: dict[str, Any]) -> str | None:
+    """Why ``cls`` refuses ``args`` on a dummy parameter, or None."""
+    import torch
+
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **args)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
 
 
 def _at_least(low: float) -> Callable[[Any], bool]:
@@ -42,7 +61,9 @@ def _at_least(low: float) -> Callable[[Any], bool]:
 
 
 # Lightning Trainer arguments Lightning accepts out of range (or rejects only inside fit).
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "accelerator": (lambda v: v in ACCELERATORS, "one of " + ", ".join(ACCELERATORS)),
     "gradient_clip_val": (
         lambda v: v is None or _at_least(0)(v),
         "null or a number >= 0 (a negative norm would flip the gradient's sign)",

@@ -3,6 +3,9 @@
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule)
 
+* SIGTERM before the training loop (model load, engine start-up, first sync) unwinds the
+  start-up (the engine is stopped, nothing is left running) and exits 143; during teardown it
+  waits for the shutdown to finish.
 * Ctrl-C and SIGTERM: Lightning turns them into ``SystemExit`` (after ``CheckpointOnInterrupt``
   wrote ``interrupted.ckpt``); the process exits 130 / 143 so a scheduler can tell them apart
   and requeue, also when shutting down after the signal raised an error of its own (the
@@ -64,11 +67,34 @@ def _record_ctrl_c(received: list[int]) -> Any:
     return prev
 
 
+def _sigterm_outside_the_loop(shutting_down: threading.Event) -> Any:
+    """SIGTERM while Lightning's own handler is not installed: before it (model load, engine
+    start-up and first sync run in fit's setup) it raises ``SIGTERMException``, so the start-up
+    unwinds through the engine's cleanup (with the default action the process would die at
+    once and leave the half-started engine behind); after fit (teardown, engine shutdown) it
+    lets the shutdown finish. While Lightning's handler is installed it calls this one too
+    (it keeps existing handlers): then Lightning stops the loop at the step's end, as always.
+    Returns the handler to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        if signal.getsignal(signal.SIGTERM) is not handler or shutting_down.is_set():
+            return  # Lightning's (it stops at the step's end) / finishing the shutdown
+        raise SIGTERMException()
+
+    signal.signal(signal.SIGTERM, handler)
+    return prev
+
+
 @contextmanager
 def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
     received = _CTRL_C_SEEN
     received.clear()
     prev = _record_ctrl_c(received)
+    shutting_down = threading.Event()
+    prev_term = _sigterm_outside_the_loop(shutting_down)
     try:
         yield
     except SystemExit as e:
@@ -86,9 +112,12 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
         log.error("interrupted (exit %d); shutting down also raised %r", code, e, exc_info=e)
         raise SystemExit(code if trainer.global_rank == 0 else 0) from None
     finally:
+        shutting_down.set()
         if prev is not None:
             signal.signal(signal.SIGINT, prev)
         datamodule.teardown("fit")  # a no-op when Lightning already tore it down
+        if prev_term is not None:
+            signal.signal(signal.SIGTERM, prev_term)
     release_freed_memory()
     log.info("process after job: %s", process_footprint())
 

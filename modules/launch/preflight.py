@@ -15,29 +15,100 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.engine.placement import names_cores, parse_cores
 from modules.launch.config_errors import check
-from modules.launch.schema import target_class
+from modules.launch.resources import hub_problem
+from modules.launch.schema import nodes, source_field, target_class
 from modules.policy.hf_policy import is_hub_id
 
 
 def check_environment(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and ckpt not in ("last", "best", "hpc", "registry"):  # Lightning's names
-        check("ckpt_path", ckpt, Path(str(ckpt)).is_file(), "null, last, or an existing checkpoint file")
-    if not getattr(target_class(cfg.module), "needs_engine", False):
-        return  # the SFT recipe builds its model when the directory is empty
-    for field in ("module.model_path", "module.ref_model_path"):
-        path = OmegaConf.select(cfg, field)
-        if path is not None:
-            check(
-                field,
-                path,
-                is_hub_id(path) or Path(str(path), "config.json").is_file(),
-                "a model directory (with config.json) or a hub id; the RL recipes start from "
-                "the SFT warm start: run `make sft` first",
-            )
+        check(
+            "ckpt_path",
+            ckpt,
+            Path(str(ckpt)).is_file() and str(ckpt).endswith(".ckpt"),
+            "null, last, or an existing Lightning checkpoint file (*.ckpt, e.g. checkpoints/last.ckpt)",
+        )
+    _check_output_dirs(cfg)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = cfg.get("torch_threads")
+    if isinstance(threads, int) and usable:
+        check(
+            "torch_threads",
+            threads,
+            threads <= usable,
+            f"an int in [1, {usable}] (cores this process may use)",
+        )
+    _check_datasets(cfg)
+    rl = getattr(target_class(cfg.module), "needs_engine", False)
+    # Every model the module loads (policy, reference, critic: keys ending in model_path); the
+    # SFT recipe builds its model into an empty directory, so there it only must not be a file.
+    for path, node in nodes(cfg.module, "module"):
+        for key in node.keys():
+            if isinstance(key, str) and key.endswith("model_path") and node.get(key) is not None:
+                _check_model_path(source_field(cfg, f"{path}.{key}"), str(node[key]), required=rl)
+    if not rl:
+        return
     _check_context_length(cfg)
+    _check_lora_rank(cfg)
     _check_tensor_parallel(cfg)
     _check_machine(cfg)
+
+
+def _check_model_path(field: str, path: str, required: bool) -> None:
+    """A model directory (with config.json), or a hub id this machine can load now; an
+    existing file, or a directory without config.json, is never a model."""
+    local = Path(path).expanduser()
+    if not required:  # the SFT recipe builds a tiny model into an empty directory
+        check(field, path, not local.is_file(), "a model directory (built there when empty), not a file")
+        return
+    if local.exists() or not is_hub_id(path):
+        check(
+            field,
+            path,
+            local.is_dir() and (local / "config.json").is_file(),
+            "a model directory (with config.json) or a hub id; the RL recipes start from the SFT "
+            "warm start: run `make sft` first",
+        )
+        return
+    problem = hub_problem(path, "model")
+    check(
+        field,
+        path,
+        problem is None,
+        f"a local model directory or a hub model this machine can load ({problem})",
+    )
+
+
+def _check_datasets(cfg: DictConfig) -> None:
+    """Hub datasets a task names (its class lists the fields in ``hub_datasets``) must be on
+    this machine or downloadable now, unless the task runs on its bundled examples."""
+    task = cfg.get("task")
+    if not isinstance(task, DictConfig) or task.get("offline"):
+        return
+    for key in getattr(target_class(task), "hub_datasets", ()):
+        name = task.get(key)
+        problem = hub_problem(str(name), "dataset") if name else None
+        check(
+            f"task.{key}",
+            name,
+            problem is None,
+            f"a dataset this machine can load ({problem}): run once with network to cache it, give a "
+            "local folder, or task.offline=true (the bundled examples)",
+        )
+
+
+def _check_output_dirs(cfg: DictConfig) -> None:
+    """Where callbacks and loggers write: a directory, never an existing file."""
+    for group in ("callbacks", "logger"):
+        for name, node in (cfg.get(group) or {}).items():
+            if not isinstance(node, DictConfig):
+                continue
+            for key in ("dirpath", "save_dir"):
+                value = node.get(key)
+                if isinstance(value, str):
+                    field = source_field(cfg, f"{group}.{name}.{key}")
+                    check(field, value, not Path(value).is_file(), "a directory (this path is a file)")
 
 
 def _model_config(cfg: DictConfig) -> dict | None:
@@ -58,6 +129,19 @@ def _check_context_length(cfg: DictConfig) -> None:
             cfg.engine.max_model_len,
             cfg.engine.max_model_len <= positions,
             f"<= {positions}, the max_position_embeddings of {cfg.module.model_path}",
+        )
+
+
+def _check_lora_rank(cfg: DictConfig) -> None:
+    """A LoRA rank above the model's width adds parameters and no expressiveness."""
+    rank = OmegaConf.select(cfg, "model.lora.rank")
+    width = (_model_config(cfg) or {}).get("hidden_size")
+    if isinstance(rank, int) and isinstance(width, int):
+        check(
+            "model.lora.rank",
+            rank,
+            rank <= width,
+            f"0 (full fine-tuning) or an int <= {width}, the model's hidden_size",
         )
 
 

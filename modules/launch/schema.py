@@ -216,6 +216,69 @@ def group_options(path: str) -> list[str] | None:
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
+def group_keys(path: str) -> set[str] | None:
+    """Every key an option of the config group at ``path`` sets, with its sub-groups' names
+    (``algo`` -> advantage, ..., minibatches, epochs); None when ``path`` is not a group.
+    The schema of a group node that builds nothing: a key no option has is a typo."""
+    import yaml
+
+    folder = CONF.joinpath(*path.split(".")) if path else CONF
+    if not folder.is_dir():
+        return None
+    keys = {p.name for p in folder.iterdir() if p.is_dir()}
+    for option in folder.glob("*.yaml"):
+        text = option.read_text()
+        if "@package" in text.split("\n", 1)[0]:
+            continue  # a _global_ delta: its keys live elsewhere
+        keys |= set(yaml.safe_load(text) or {}) - {"defaults"}
+    return keys
+
+
+def check_plain_keys(cfg: DictConfig) -> None:
+    """Group nodes that build nothing (``algo``, ``model``) and the top level: a key that no
+    option of the group sets (``+algo.kl_coef``, ``+seedd``) is refused with the closest one."""
+    for path, node in nodes(cfg):
+        if "_target_" in node:
+            continue
+        if path == "":
+            known = {p.name for p in CONF.iterdir() if p.is_dir()} | set(typing.get_type_hints(RunSchema))
+        else:
+            known = group_keys(path)
+            if known is None:
+                continue
+        for key in node.keys():
+            if not isinstance(key, str) or key in known or key in RESERVED:
+                continue
+            field = f"{path}.{key}" if path else key
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
+            raise ConfigError(
+                f"unknown config field {field}{hint}: {path or 'the top level'} has {', '.join(sorted(known))}"
+            )
+
+
+def check_interpolations(cfg: DictConfig) -> None:
+    """A value that refers to a key that does not exist (``model.path=${model.pth}``) is reported
+    under the field that holds it. References only a Hydra run resolves are left alone."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    for path, node in nodes(cfg):
+        if path.split(".")[0] == "hydra":
+            continue
+        for key in node.keys():
+            if not isinstance(key, str) or not OmegaConf.is_interpolation(node, key):
+                continue
+            try:
+                node[key]
+            except InterpolationResolutionError as e:
+                reason = str(e).split("\n")[0]
+                if "HydraConfig" in reason or "hydra" in reason:
+                    continue
+                raw = node._get_node(key)._value()
+                field = f"{path}.{key}" if path else key
+                raise ConfigError(f"invalid config value {field}={raw!r}: {reason}") from None
+
+
 def check_groups(cfg: DictConfig) -> None:
     """A config group set to a plain value with a dotted override (``rollout.staleness=throttle``
     instead of ``rollout/staleness=throttle``) is refused, naming the options."""
@@ -251,6 +314,18 @@ def _plain(value: Any) -> Any:
     if isinstance(value, ListConfig):
         return OmegaConf.to_container(value, resolve=True)
     return value
+
+
+def source_field(cfg: DictConfig, field: str) -> str:
+    """The field a user sets for ``field``: ``model.path`` for ``module.model_path``
+    (``${model.path}``), else ``field`` itself."""
+    parent, _, key = field.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if isinstance(node, DictConfig) and key in node and OmegaConf.is_interpolation(node, key):
+        ref = _SIMPLE_REF.match(str(node._get_node(key)._value()))
+        if ref:
+            return source_field(cfg, ref.group(1))
+    return field
 
 
 def check_fields(node: DictConfig, path: str, hints: dict[str, Any], nullable: set[str]) -> None:
@@ -300,6 +375,8 @@ def check_types(cfg: DictConfig) -> None:
     """Check every field that a ``_target_`` receives (known keys, types), the run's top-level
     keys, that no group was set to a plain value, and that no number is inf or nan."""
     check_groups(cfg)
+    check_plain_keys(cfg)
+    check_interpolations(cfg)
     check_fields(cfg, "", typing.get_type_hints(RunSchema), {"ckpt_path"})
     for path, node in nodes(cfg):
         target = node.get("_target_") if "_target_" in node else None

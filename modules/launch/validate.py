@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.algo.advantages import GroupAdvantage
 from modules.algo.corrections import NoCorrection
+from modules.launch.budget import check_budget
 from modules.launch.config_errors import check
 from modules.launch.external import check_optimizers, check_trainer
 from modules.launch.schema import builds, check_types, target_class
@@ -75,6 +76,9 @@ def _validate_rl(cfg: DictConfig) -> None:
     from modules.policy.microbatch import check_size
 
     check_size(algo.get("micro_batch_size"))
+    mml = engine.max_model_len  # its own range first: the rules below divide by it
+    check("engine.max_model_len", mml, isinstance(mml, int) and mml >= 16, "an int >= 16")
+    check_budget(cfg)  # sizes that would not fit in memory or the engine's queue
     max_tokens = rollout.sampling.max_tokens
     check(
         "rollout.sampling.max_tokens",

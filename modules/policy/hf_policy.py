@@ -44,9 +44,12 @@ def build_policy(path: str | Path, gradient_checkpointing: bool = False, lora: A
 
 
 def is_hub_id(path: str | Path) -> bool:
-    """'org/name' that is not a local directory: a model to fetch from the hub."""
+    """'org/name' that is not a local path: a model to fetch from the hub. Not when 'org' is a
+    local directory: 'artifacts/tiny-qwen-stf' is a typo of a local model, not a hub id."""
     text = str(path)
-    return not Path(text).exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return False
+    return not Path(text.split("/")[0]).is_dir()
 
 
 def token_logprobs(

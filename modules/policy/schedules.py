@@ -1,4 +1,5 @@
-"""Learning-rate schedules as plain factories (selected by ``_target_`` in ``conf/module``)."""
+"""Learning-rate schedules (selected by ``_target_`` in ``conf/module``): built at start-up (their
+arguments are checked then), called with the optimizer in ``configure_optimizers``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from modules.launch.config_errors import check
 
 
 def optimizers(params: Iterable[torch.nn.Parameter], optimizer: Callable, scheduler: Callable | None) -> Any:
@@ -17,15 +20,28 @@ def optimizers(params: Iterable[torch.nn.Parameter], optimizer: Callable, schedu
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(optimizer=opt), "interval": "step"}}
 
 
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the base rate, then cosine decay to ``min_ratio`` of it."""
+class WarmupCosine:
+    """Linear warm-up to the base rate, then cosine decay to ``min_ratio`` of it, over
+    ``total_steps`` optimizer steps (``module.scheduler``; called with the optimizer)."""
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> None:
+        check(
+            "module.scheduler.total_steps", total_steps, total_steps >= 1, "an int >= 1 (trainer.max_steps)"
+        )
+        check(
+            "module.scheduler.warmup_steps",
+            warmup_steps,
+            0 <= warmup_steps <= total_steps,
+            f"an int in [0, total_steps={total_steps}] (optimizer steps of linear warm-up)",
+        )
+        check("module.scheduler.min_ratio", min_ratio, 0 <= min_ratio <= 1, "a float in [0, 1]")
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / max(1, self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)

@@ -10,6 +10,7 @@ random Qwen2 is built there first from ``build`` (deterministic).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ class SFTModule(L.LightningModule):
         self,
         model_path: str,
         optimizer: partial,
-        scheduler: partial | None = None,
+        scheduler: Callable | None = None,
         build: dict[str, Any] | None = None,
         max_new_tokens: int = 200,
     ) -> None:

@@ -68,7 +68,7 @@ def test_single_responses_are_fine_with_a_running_baseline():
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (["model.path=/nonexistent/model"], "module.model_path"),
+        (["model.path=/nonexistent/model"], "model.path"),  # as typed (module.model_path reads it)
         (["module.ref_model_path=/nonexistent/ref", "algo.loss.kl_coef=0.1"], "module.ref_model_path"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path"),
         (["engine.cpu_cores=4096"], "engine.cpu_cores"),

@@ -81,12 +81,16 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
     saved = []
     trainer = SimpleNamespace(
         global_rank=0,
+        world_size=1,
         _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
         strategy=SimpleNamespace(
             launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
         ),
     )
     cb = CheckpointOnInterrupt(str(tmp_path))
+    cb.on_exception(trainer, SimpleNamespace(policy=None), KeyboardInterrupt())
+    assert saved == []  # interrupted before the loop started (engine start-up): nothing to save
+    cb.on_train_start(trainer, SimpleNamespace(policy=None))
 
     def body() -> None:
         try:

@@ -60,7 +60,7 @@ class Example:
 
 def _cfg(**node):
     return OmegaConf.create(
-        {"seed": 0, "torch_threads": 1, "optimized_metric": "m", "ckpt_path": None, "thing": node}
+        {"seed": 0, "torch_threads": 1, "optimized_metric": "m", "ckpt_path": None, "task": node}
     )
 
 
@@ -68,9 +68,9 @@ def test_a_new_constructor_argument_is_type_checked():
     target = f"{__name__}.Example"
     check_types(_cfg(_target_=target, count=2, share=1, mode="b", cap=None))
     for bad, field in [
-        ({"count": 2.5}, "thing.count"),
-        ({"share": "x"}, "thing.share"),
-        ({"mode": "c"}, "thing.mode"),
+        ({"count": 2.5}, "task.count"),
+        ({"share": "x"}, "task.share"),
+        ({"mode": "c"}, "task.mode"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(field)) as info:
             check_types(_cfg(_target_=target, **{"count": 2, **bad}))

@@ -1,0 +1,51 @@
+"""The adversarial command lines of ``tests/unit/bad_inputs.py`` (214 bad, 21 valid but
+unusual) through train.py's start-up, in-process: each bad one is refused before any engine
+or model is built, with one message naming its field; each valid one passes. The e2e tier
+runs two of them as a user types them (exit code 2, no traceback: tests/e2e/test_config.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import pytest
+from hydra.errors import ConfigCompositionException, OverrideParseException
+
+from modules.engine.gpus import place_gpus
+from modules.launch.cli import message, startup
+from modules.launch.compose import build
+from modules.launch.config_errors import ConfigError
+from modules.launch.preflight import check_environment
+from modules.launch.validate import validate
+from tests.conftest import compose
+from tests.unit.bad_inputs import BAD, GOOD
+
+
+def start_up(overrides: list[str]) -> None:
+    """What train.py does before ``fit``: nothing here builds an engine or loads a model."""
+    cfg = compose(overrides)
+    with startup():
+        place_gpus(cfg)
+        validate(cfg)
+        build(cfg.data)
+        build(cfg.module)
+        callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
+        loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
+        check_environment(cfg)
+        trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+        assert isinstance(trainer, L.Trainer)
+
+
+@pytest.mark.parametrize(("kind", "overrides", "field"), BAD, ids=[" ".join(o) for _, o, _ in BAD])
+def test_a_bad_command_line_is_refused_naming_its_field(kind, overrides, field, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", *overrides])  # what cli.message quotes
+    with pytest.raises((ConfigError, ConfigCompositionException, OverrideParseException)) as info:
+        start_up(overrides)
+    text = message(info.value)
+    assert field in text, f"{kind}: {text}"
+
+
+@pytest.mark.parametrize("overrides", GOOD, ids=[" ".join(o) for o in GOOD])
+def test_a_valid_unusual_command_line_passes(overrides):
+    start_up(overrides)
