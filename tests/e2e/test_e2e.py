@@ -321,6 +321,25 @@ def test_sigterm_under_ddp_stops_all_ranks_with_a_checkpoint(tmp_path, models):
 
 
 REPLICAS = {"async_grpo": ["engine.replicas=2", "engine.cpu_cores=0-1", "engine.pin_trainer=false"]}
+# Each documented logger writes its records offline in one of the recipe runs below.
+LOGGERS = {"partial_grpo": "mlflow", "ppo": "tensorboard", "dapo": "wandb"}
+
+
+def assert_logged(run_dir: Path, logger: str) -> None:
+    """The run's loss reached the logger's own store (besides metrics.csv)."""
+    if logger == "tensorboard":
+        events = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+        assert events and events[0].stat().st_size > 100, events
+    elif logger == "wandb":
+        runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert runs and runs[0].stat().st_size > 1000, list((run_dir / "wandb").rglob("*"))
+    else:
+        import mlflow
+
+        client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+        exp = client.get_experiment_by_name("asyncrl")
+        (run,) = client.search_runs([exp.experiment_id])
+        assert "train/loss" in run.data.metrics and run.info.status == "FINISHED"
 
 
 @pytest.mark.parametrize("recipe", ["async_grpo", "partial_grpo"])
@@ -334,7 +353,10 @@ def test_async_recipes_end_to_end(tmp_path, models, recipe):
         "task._target_=tests.helpers.DigitShareTask",
         f"trainer.max_steps={steps}",
         *REPLICAS.get(recipe, []),
+        *([f"logger={LOGGERS[recipe]}"] if recipe in LOGGERS else []),
     )
+    if recipe in LOGGERS:
+        assert_logged(tmp_path, LOGGERS[recipe])
     train_rows = [r for r in rows if r["train/loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(steps))
     assert all(math.isfinite(float(r["train/loss"])) for r in train_rows)
@@ -581,8 +603,9 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
 
 @pytest.mark.parametrize("recipe", ["ppo", "dapo"])
 def test_knob_recipes_end_to_end(tmp_path, models, recipe):
-    """recipe=ppo (a critic beside the policy) and recipe=dapo (dynamic sampling, soft
-    overlong punishment, clip-higher) train with verified syncs and report their metrics."""
+    """recipe=ppo (a critic beside the policy, one response per prompt) and recipe=dapo (dynamic
+    sampling, soft overlong punishment, clip-higher) train with verified syncs and report their
+    metrics, to TensorBoard and W&B (offline) besides metrics.csv."""
     rows = train(
         tmp_path,
         f"recipe={recipe}",
@@ -590,8 +613,15 @@ def test_knob_recipes_end_to_end(tmp_path, models, recipe):
         f"model.path={models['tied']}",
         "task._target_=tests.helpers.DigitShareTask",
         "trainer.max_steps=2",
-        "rollout.overlong.buffer=16" if recipe == "dapo" else "module.critic.lr=1e-3",
+        f"logger={LOGGERS[recipe]}",
+        # ppo: one response per prompt (the critic's advantages need no group)
+        *(
+            ["rollout.overlong.buffer=16"]
+            if recipe == "dapo"
+            else ["module.critic.lr=1e-3", "rollout.group_size=1"]
+        ),
     )
+    assert_logged(tmp_path, LOGGERS[recipe])
     train_rows = [r for r in rows if r["train/loss"]]
     assert len(train_rows) == 2 and all(math.isfinite(float(r["train/loss"])) for r in train_rows)
     assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[1:]) < 1e-4
