@@ -130,3 +130,27 @@ def test_the_datamodule_syncs_every_sync_every_batches_also_after_a_resume_mid_v
             eng.update_weights({}, eng.version + 1, inflight="keep")
     # the version's remaining batches, then every third: never a sync per batch
     assert due == ([False, False, True] * 3)[taken_before:]
+
+
+def test_the_datamodule_syncs_by_time_at_batch_boundaries(monkeypatch):
+    """data.sync_every_s: a sync is due at the first batch boundary at least T seconds after
+    the last sync (wall clock), whatever the batch count (sync_every set past reach)."""
+    import data.rollout.datamodule as dm_module
+    from data.rollout.datamodule import RolloutDataModule
+    from data.rollout.sync import SyncRollout
+
+    clock = [100.0]
+    monkeypatch.setattr(dm_module.time, "monotonic", lambda: clock[0])
+    eng = SimEngine(max_concurrency=6)
+    ctl = bound(SyncRollout(2, 2, SAMPLING), eng)
+    dm = RolloutDataModule(SimTask(LENGTHS), eng, ctl, GroupAdvantage(), sync_every=1000, sync_every_s=2.5)
+    stream = dm._rollout_batches()
+    due = []
+    for _ in range(8):
+        _, _, sync = next(stream)  # each rollout batch "takes" one second of wall time
+        due.append(sync)
+        clock[0] += 1.0
+        if sync:
+            eng.update_weights({}, eng.version + 1, inflight="keep")
+    # syncs at t = 103 (3 s after 100) and 106, not per batch and not by count
+    assert due == [False, False, False, True, False, False, True, False]
