@@ -117,7 +117,10 @@ def test_weight_update_invalidates_cached_prompts(engine, models):
 @pytest.fixture(scope="module")
 def untied_engine(models):
     before = {p.pid for p in engine_processes()}
-    eng = VLLMEngine(str(models["untied"]), max_model_len=256, max_num_seqs=16, pin_trainer=False).start()
+    # the worker inside the engine core (engine.executor=uni): the session's tied engine keeps vLLM's layout
+    eng = VLLMEngine(
+        str(models["untied"]), max_model_len=256, max_num_seqs=16, pin_trainer=False, executor="uni"
+    ).start()
     eng.own_pids = {p.pid for p in engine_processes(exclude=before)}  # this engine's processes only
     yield eng
     eng.shutdown()

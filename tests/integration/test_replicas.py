@@ -26,6 +26,7 @@ def two_replicas(models):
         pin_trainer=False,
         max_model_len=256,
         max_num_seqs=16,
+        executor="uni",  # one process per replica, ~10 s less start-up each
     )
     pids = []
     for r in eng.replicas:  # one at a time, to know each replica's processes
