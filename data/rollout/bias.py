@@ -87,13 +87,14 @@ class BiasTracker:
         with self._lock:
             self.generated_lengths[length_bucket(len(exp.response_ids))] += 1
 
-    def on_trained(self, exps: list[Experience]) -> None:
+    def on_trained(self, exps: list[Experience], sign: int = 1) -> None:
+        """Count ``exps`` as trained (``sign=-1``: a checkpoint gives the batch back)."""
         with self._lock:
             for e in exps:
                 b = length_bucket(len(e.response_ids))
-                self.trained_lengths[b] += 1
-                self.trained_levels[e.difficulty] += 1
-                self.staleness_sum[b] += e.staleness
+                self.trained_lengths[b] += sign
+                self.trained_levels[e.difficulty] += sign
+                self.staleness_sum[b] += sign * e.staleness
 
     def metrics(self) -> dict[str, float]:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 
 from data.rollout.bias import BiasTracker
 from data.rollout.experience import Experience
+from data.rollout.handoff import HandOff
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import RewardRunner, RewardWorkerError
 from data.rollout.shaping import InformativeGroups, Overlong
@@ -62,7 +63,7 @@ class Pending:
     gen_start: float | None = None
 
 
-class RolloutController:
+class RolloutController(HandOff):
     """Base class: request bookkeeping shared by the rollout modes.
 
     Subclasses define ``next_batch``. What the datamodule reads is defined here with the
@@ -361,10 +362,6 @@ class RolloutController:
             f"{type(self).__name__} is a base class: use SyncRollout, PartialRollout or StreamingRollout"
         )
 
-    def outstanding_prompts(self) -> list[int]:
-        """Row indexes of prompts whose groups are generating or buffered (none here)."""
-        return []
-
     def snapshot(self) -> dict[str, Any]:
         """Counts for tests and metrics (buffer, groups in flight, ...); none here."""
         return {}
@@ -375,8 +372,10 @@ class RolloutController:
         next sync comes where it would have (admission control counts on it)."""
         return 0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_group_id": self.next_group_id, "bias": self.bias.state_dict()}
+    def state_dict(self, in_training: bool = False) -> dict[str, Any]:
+        """``in_training``: the batch handed out last has no optimizer step in the checkpoint
+        (``handoff.py``): give it back."""
+        return {"next_group_id": self.next_group_id, "bias": self._bias_state(in_training)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_group_id = int(state["next_group_id"])

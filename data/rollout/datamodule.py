@@ -33,6 +33,7 @@ from data.rollout.batches import minibatches, rollout_stats
 from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.evaluation import HeldOutEvaluator
 from data.rollout.experience import Experience
+from data.rollout.handoff import InTraining, exp_from_state, shard
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import pickle_task
 from modules.callbacks.checkpoint_rng import python_state, python_state_tuple
@@ -113,6 +114,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts: PromptStream | None = None
         self.evaluator: HeldOutEvaluator | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._in_training: InTraining | None = None  # the rollout batch the trainer holds
+        self._resumed: dict[str, Any] | None = None  # one a checkpoint saved part-way through
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, stage: str | None = None) -> None:
@@ -176,7 +179,7 @@ class RolloutDataModule(L.LightningDataModule):
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
             self._audit(exps)
-            self.rollout.bias.on_trained(exps)
+            self.rollout.bias.on_trained(exps)  # a checkpoint that gives it back uncounts it
             stats = {
                 **rollout_stats(exps),
                 **self.rollout.stats,
@@ -210,21 +213,35 @@ class RolloutDataModule(L.LightningDataModule):
         if self.rank == 0:
             assert item is not None
             exps, stats, due = item
-            size = len(exps) // self.world_size
-            payload = [(exps[r * size : (r + 1) * size], stats, due) for r in range(self.world_size)]
+            payload = [(shard(exps, r, self.world_size), stats, due) for r in range(self.world_size)]
         out: list[Any] = [None]
         dist.scatter_object_list(out, payload, src=0)
         return out[0]
 
     def _batches(self) -> Iterator[list[dict[str, Any]]]:
-        """This rank's optimizer steps, one list per rollout batch."""
+        """This rank's optimizer steps, one list per rollout batch. After a resume from a
+        checkpoint written part-way through a rollout batch, first that batch's remaining
+        steps (``handoff.py``): the same minibatches, from the shuffle's state before it."""
         rollouts = self._rollout_batches() if self.rank == 0 else None
         while True:
-            exps, stats, due = self._share(next(rollouts) if rollouts is not None else None)
-            self._audit_rank(exps)
+            resumed, self._resumed = self._resumed, None
+            if resumed is not None:
+                full, stats, due = [exp_from_state(e) for e in resumed["exps"]], {}, resumed["due"]
+                done = int(resumed["done"])
+                self.shuffle_rng.setstate(python_state_tuple(resumed["rng"]))
+                exps = shard(full, self.rank, self.world_size)
+            else:
+                item = next(rollouts) if rollouts is not None else None
+                full, done = (item[0] if item is not None else None), 0
+                exps, stats, due = self._share(item)
+                self._audit_rank(exps)
+            rng = self.shuffle_rng.getstate()
             pad_id = self.tokenizer.pad_token_id
             args = (self.minibatches, self.epochs, self.shuffle_rng, pad_id, stats, due, self.world_size)
-            yield minibatches(exps, *args)
+            steps = minibatches(exps, *args)
+            first = int(getattr(self.trainer, "global_step", 0) or 0) - done
+            self._in_training = InTraining(full, bool(due), rng, first, len(steps))
+            yield steps[done:]
 
     def _audit_rank(self, exps: list[Experience]) -> None:
         """DDP only: each rank appends the samples it trains on to
@@ -295,15 +312,23 @@ class RolloutDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         # Prompts of groups still generating or buffered are re-queued on resume (their partial
         # generations are not saved); sync mode has none. Cursor and outstanding: one snapshot.
+        # The rollout batch in training (``handoff.py``): given back to the controller while
+        # none of its optimizer steps is done (an interrupt mid-step), else kept here with its
+        # steps done, its remaining steps trained first on resume.
         with self.rollout.lock:
+            batch = self._in_training
+            done = batch.done(self.trainer) if batch is not None else -1
+            given_back = done == 0
+            rng = python_state(batch.rng if given_back else self.shuffle_rng.getstate())
             prompts = self.prompts.state_dict() if self.prompts else None
             if prompts is not None and self.rollout.ctx is not None:
-                prompts["front"] = self.rollout.outstanding_prompts() + prompts["front"]
+                prompts["front"] = self.rollout.outstanding_prompts(given_back) + prompts["front"]
             return {
                 "prompts": prompts,
-                "rollout": self.rollout.state_dict(),
+                "rollout": self.rollout.state_dict(given_back),
                 "advantage": self.advantage.state_dict(),  # e.g. running baselines
-                "shuffle_rng": python_state(self.shuffle_rng.getstate()),
+                "shuffle_rng": rng,
+                "in_training": batch.state(done, python_state(batch.rng)) if batch is not None else None,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,6 +344,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.advantage.load_state_dict(state.get("advantage", {}))
         if state.get("shuffle_rng") is not None:
             self.shuffle_rng.setstate(python_state_tuple(state["shuffle_rng"]))
+        self._resumed = state.get("in_training")
 
 
 class _RolloutStream(IterableDataset):

@@ -355,6 +355,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 if e.recompute:
                     self.counters["recomputed"] += 1
                 out.append(e)
+        self.hand_out({r.group_id: r.exps[0].extras["row"] for r in chosen if r.exps}, out, version)
         if self.reweight:
             reweight_by_level(chosen, self._trained_levels, self.bias.issued_levels)
         self.stats = {

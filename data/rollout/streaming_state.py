@@ -3,7 +3,8 @@
 A mixin of ``StreamingRollout`` (``streaming.py``), kept apart so each file has one job: the
 buffer and in-flight groups are not saved; their prompts are re-queued on resume (each is
 trained once, regenerated with the checkpoint's weights), and the counts that decide what
-is trained next (admission, reweighting, issued levels) are.
+is trained next (admission, reweighting, issued levels) are. A batch in training with none of
+its optimizer steps done is given back the same way (``handoff.py``).
 """
 
 from __future__ import annotations
@@ -27,37 +28,37 @@ class StreamingCheckpoint:
         with self._cv:
             return self.bound.taken(self.ctx.engine.version)
 
-    def outstanding_prompts(self) -> list[int]:
-        """Row indexes of groups generating or buffered (oldest first), for checkpoints.
+    def requeued_groups(self, in_training: bool = False) -> dict[int, dict]:
+        """Group id -> row of the groups a checkpoint re-queues (oldest first): the batch given
+        back (``in_training``), then those generating, then those buffered.
 
         Policy: a checkpoint does not store partial generations; the prompts of outstanding
         groups are re-queued at the front on resume, so each is trained once (regenerated
         with the checkpoint's weights)."""
         with self._cv:
-            prompts = self.ctx.prompts
-            rows = {gid: g.row for gid, g in self._groups.items()}
+            rows = super().requeued_groups(in_training)
+            for gid, g in self._groups.items():
+                rows.setdefault(gid, g.row)
             for r in self._buffer:
                 if r.exps and "row" in r.exps[0].extras:
                     rows.setdefault(r.group_id, r.exps[0].extras["row"])
-            return [prompts.index_of(row) for row in rows.values()]
+            return rows
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, in_training: bool = False) -> dict[str, Any]:
         """Everything that changes what is trained next. Outstanding groups are re-issued on
-        resume (their prompts are re-queued), so they are taken out of the issued counts."""
+        resume (their prompts are re-queued), so they are taken out of the issued counts;
+        ``in_training``: the batch handed out last is given back (``handoff.py``)."""
         with self._cv:
-            state = super().state_dict()
-            levels = {gid: g.row.get("level") for gid, g in self._groups.items()}
-            for r in self._buffer:
-                levels.setdefault(r.group_id, r.level)
-            issued = dict(self.bias.issued_levels)
-            for level in levels.values():  # each outstanding group is issued again, G samples
-                issued[level] -= self.group_size
-            state["bias"]["issued_levels"] = [[k, v] for k, v in issued.items()]
+            trained_levels = dict(self._trained_levels)
+            handed = self._given_back(in_training)
+            if handed is not None and self.reweight:  # reweighting counted it when it was taken
+                for e in handed.exps:
+                    trained_levels[e.difficulty] -= 1
             return {
-                **state,
+                **super().state_dict(in_training),
                 "started_groups": self.started_groups,
-                **self.bound.state_dict(),  # batches taken at this version (throttle, admit)
-                "trained_levels": [[k, v] for k, v in self._trained_levels.items()],  # reweighting
+                **self._taken_state(in_training),  # batches taken at this version (throttle, admit)
+                "trained_levels": [[k, v] for k, v in trained_levels.items()],  # reweighting
                 "counters": dict(self.counters),
             }
 

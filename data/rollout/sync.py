@@ -36,13 +36,19 @@ class SyncRollout(RolloutController):
         check_choice("rollout.schedule", schedule, SCHEDULES)
         self.schedule = schedule
         self.lengths = LengthPredictor()
+        # group id -> row of every group drawn by the next_batch in progress: an interrupt
+        # while it generates re-queues them (handoff.py)
+        self._drawn: dict[int, dict] = {}
 
     def next_batch(self) -> list[Experience]:
         ctx = self.ctx
         assert ctx is not None, "controller not bound to an engine"
+        self._drawn = {}
         batch = self._round(self.prompts_per_step)
         if self.group_filter is not None:
             batch = self._informative_batch(batch)
+        self.hand_out({e.group_id: self._drawn[e.group_id] for e in batch}, batch)
+        self._drawn = {}
         # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
         # ahead of the engine that generated the batch
         current = ctx.engine.version if self.trainer_version is None else self.trainer_version
@@ -55,6 +61,7 @@ class SyncRollout(RolloutController):
         ctx = self.ctx
         assert ctx is not None
         plans = [self.plan_group(ctx.prompts.next()) for _ in range(n_groups)]
+        self._drawn.update((group[0].group_id, group[0].row) for group in plans)
         if self.schedule == "longest_first":  # ids (seeds) as FIFO's; only the order changes
             plans.sort(key=lambda group: -self.lengths.predict(group[0].row))
         rows = {group[0].group_id: group[0].row for group in plans}
@@ -103,10 +110,15 @@ class SyncRollout(RolloutController):
             self.bias.on_issue(x[0].difficulty, -len(x))
         return [e for x in chosen for e in x]
 
-    def state_dict(self) -> dict:
+    def requeued_groups(self, in_training: bool = False) -> dict[int, dict]:
+        return {**super().requeued_groups(in_training), **self._drawn}
+
+    def state_dict(self, in_training: bool = False) -> dict:
         """The base's, plus dynamic sampling's running counts (so they continue on resume)."""
         counts = {k: v for k, v in self.stats.items() if k.startswith("rollout/filter")}
-        return {**super().state_dict(), "filter_counts": counts}
+        # re-queued groups keep their ids: a resumed run regenerates them with the same seeds
+        state = {**super().state_dict(in_training), "next_group_id": self._next_group_id(in_training)}
+        return {**state, "filter_counts": counts}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -45,7 +45,11 @@ class SaveHFModel(L.Callback):
 
 class CheckpointOnInterrupt(L.Callback):
     """On Ctrl-C or SIGTERM: write ``interrupted.ckpt``, so a scheduler can requeue and resume
-    (``modules/launch/guard.py`` then exits 130 for Ctrl-C, 143 for SIGTERM)."""
+    (``modules/launch/guard.py`` then exits 130 for Ctrl-C, 143 for SIGTERM).
+
+    Written mid-step: the rollout batch in training is given back (its prompts re-queued, the
+    staleness bound's count forgets it) while none of its optimizer steps has finished, else
+    its remaining steps are saved and run first on resume (``data/rollout/handoff.py``)."""
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath

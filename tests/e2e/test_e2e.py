@@ -265,18 +265,37 @@ def test_hanging_reward_is_killed_after_its_timeout(tmp_path, models):
     assert not wait_gone(proc.pid), "engine or reward processes outlived the failed run"
 
 
-def test_ctrl_c_stops_the_run_cleanly(tmp_path, models):
+def test_ctrl_c_stops_the_run_cleanly_and_resumes_at_k0(tmp_path, models):
+    """Streaming with throttle at K = 0 (where the drift controller's halving ends): Ctrl-C
+    mid-run writes interrupted.ckpt and exits 130; resuming from it neither hangs (a batch in
+    training at the interrupt used to hold the only slot K = 0 leaves) nor trains a prompt twice,
+    and the batch in training at the interrupt is trained by the resumed run."""
+    k0 = ["recipe=async_grpo", "rollout.max_staleness=0", "+rollout.wait_timeout_s=60", "data.eval_size=0"]
+    first = tmp_path / "first"
     proc = start(
-        tmp_path, models["tied"], "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
+        first, models["tied"], *k0, "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
     )
-    wait_for_training(proc, tmp_path)
+    wait_for_training(proc, first)
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # like a terminal Ctrl-C: the whole process group
     _, err = proc.communicate(timeout=120)
     print(f"FAULT-TIMING Ctrl-C -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
     assert proc.returncode == 130, err[-4000:]
-    assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
+    ckpt = first / "checkpoints" / "interrupted.ckpt"
+    assert ckpt.exists()
     assert not wait_gone(proc.pid), "engine processes outlived Ctrl-C"
+    step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
+    before = {p for b in trained_prompts(first) if b["version"] < step for p in b["prompt_ids"]}
+    in_flight = [b["prompt_ids"] for b in trained_prompts(first) if b["version"] >= step][:1]
+    second = tmp_path / "second"
+    common = [*SHRINK, f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask"]
+    train(second, *common, *k0, f"ckpt_path={ckpt}", f"trainer.max_steps={step + 2}")
+    resumed = trained_prompts(second)
+    assert [b["version"] for b in resumed] == [step, step + 1]
+    trained_again = {p for b in resumed for p in b["prompt_ids"]}
+    assert not before & trained_again  # nothing trained twice
+    if in_flight:  # drawn before the interrupt, not trained: trained now
+        assert set(in_flight[0]) <= trained_again
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
