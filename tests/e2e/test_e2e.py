@@ -535,10 +535,20 @@ def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
 
 
 def multirun(sweep_dir: Path, models: dict, *overrides: str) -> None:
-    """``train.py -m`` of the shrunk sync recipe into ``sweep_dir``; it must exit 0."""
-    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep_dir}", "recipe=sync_grpo", *SHRINK]
-    cmd += [f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask", "data.eval_size=0"]
-    proc = subprocess.run([*cmd, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    """``train.py -m`` of the shrunk sync recipe into ``sweep_dir``; it must exit 0. As a user
+    types it: from another directory, without the PROJECT_ROOT that make and conftest export
+    (with trainer.devices=2 too: Lightning relaunches rank 1 from the same command line)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", "recipe=sync_grpo"]
+    cmd += [*SHRINK, f"model.path={models['tied']}", "task._target_=tests.helpers.DigitShareTask"]
+    env = {k: v for k, v in os.environ.items() if k != "PROJECT_ROOT"}
+    proc = subprocess.run(
+        [*cmd, "data.eval_size=0", *overrides],
+        cwd=sweep_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
