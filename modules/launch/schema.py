@@ -249,6 +249,9 @@ def check_plain_keys(cfg: DictConfig) -> None:
         for key in node.keys():
             if not isinstance(key, str) or key in known or key in RESERVED:
                 continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and "_target_" in child:
+                continue  # an object added to the group (+callbacks.mine._target_=...)
             field = f"{path}.{key}" if path else key
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""

@@ -264,11 +264,7 @@ BAD: list[tuple[str, list[str], str]] = [
         ["recipe=dapo", "rollout.overlong.buffer=400"],
         "rollout.overlong.buffer",
     ),  # >= max_tokens
-    (
-        "cross_field",
-        ["recipe=sft_warmup", "module.scheduler.warmup_steps=5000"],
-        "module.scheduler.warmup_steps",
-    ),  # > max_steps
+    ("int_range", ["recipe=sft_warmup", "module.scheduler.warmup_steps=-5"], "module.scheduler.warmup_steps"),
     (
         "cross_field",
         ["trainer.devices=2", "algo.minibatches=3", "callbacks.checkpoint.every_n_train_steps=21"],

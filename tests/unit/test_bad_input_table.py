@@ -22,9 +22,11 @@ from tests.conftest import compose
 from tests.unit.bad_inputs import BAD, GOOD
 
 
-def start_up(overrides: list[str]) -> None:
-    """What train.py does before ``fit``: nothing here builds an engine or loads a model."""
-    cfg = compose(overrides)
+def start_up(overrides: list[str], model: str | None = None) -> None:
+    """What train.py does before ``fit``: nothing here builds an engine or loads a model.
+    ``model``: the model path unless the overrides set one (a clean checkout has no
+    artifacts/ until `make sft`)."""
+    cfg = compose([f"model.path={model}", *overrides] if model else overrides)
     with startup():
         place_gpus(cfg)
         validate(cfg)
@@ -38,14 +40,14 @@ def start_up(overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("kind", "overrides", "field"), BAD, ids=[" ".join(o) for _, o, _ in BAD])
-def test_a_bad_command_line_is_refused_naming_its_field(kind, overrides, field, monkeypatch):
+def test_a_bad_command_line_is_refused_naming_its_field(kind, overrides, field, monkeypatch, models):
     monkeypatch.setattr(sys, "argv", ["train.py", *overrides])  # what cli.message quotes
     with pytest.raises((ConfigError, ConfigCompositionException, OverrideParseException)) as info:
-        start_up(overrides)
+        start_up(overrides, str(models["tied"]))
     text = message(info.value)
     assert field in text, f"{kind}: {text}"
 
 
 @pytest.mark.parametrize("overrides", GOOD, ids=[" ".join(o) for o in GOOD])
-def test_a_valid_unusual_command_line_passes(overrides):
-    start_up(overrides)
+def test_a_valid_unusual_command_line_passes(overrides, models):
+    start_up(overrides, str(models["tied"]))
