@@ -3,6 +3,7 @@
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule)
 
+* SIGHUP (the terminal went away) is handled as SIGTERM (not under ``nohup``).
 * SIGTERM before the training loop (model load, engine start-up, first sync) unwinds the
   start-up (the engine is stopped, nothing is left running) and exits 143; during teardown it
   waits for the shutdown to finish.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -88,6 +90,21 @@ def _sigterm_outside_the_loop(shutting_down: threading.Event) -> Any:
     return prev
 
 
+def _hangup_as_sigterm() -> Any:
+    """SIGHUP (the terminal or the session the run was started from went away) is handled as
+    SIGTERM by whichever SIGTERM handler is active (ours before and after the loop,
+    Lightning's in it): a checkpoint when something was trained, the engine stopped, exit 143.
+    Its default action would kill the trainer at once (the reaper would still stop the engine,
+    but no checkpoint would be written). Returns the handler to restore."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        return None
+    prev = signal.getsignal(signal.SIGHUP)
+    if prev is signal.SIG_IGN:  # nohup: the user asked for the run to outlive the terminal
+        return None
+    signal.signal(signal.SIGHUP, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    return prev
+
+
 @contextmanager
 def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
     received = _CTRL_C_SEEN
@@ -95,6 +112,7 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
     prev = _record_ctrl_c(received)
     shutting_down = threading.Event()
     prev_term = _sigterm_outside_the_loop(shutting_down)
+    prev_hup = _hangup_as_sigterm()
     try:
         yield
     except SystemExit as e:
@@ -118,6 +136,8 @@ def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterat
         datamodule.teardown("fit")  # a no-op when Lightning already tore it down
         if prev_term is not None:
             signal.signal(signal.SIGTERM, prev_term)
+        if prev_hup is not None:
+            signal.signal(signal.SIGHUP, prev_hup)
     release_freed_memory()
     log.info("process after job: %s", process_footprint())
 

@@ -113,3 +113,30 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
     assert saved == [tmp_path / "interrupted.ckpt"]
     err, _ = run(lambda: None)
     assert err is None and not ctrl_c_received()  # cleared by the next fit
+
+
+def test_a_hangup_is_handled_as_sigterm_outside_and_inside_the_loop():
+    """SIGHUP (the terminal went away) is re-sent as SIGTERM: outside Lightning's loop ours
+    raises SIGTERMException (the start-up unwinds); the previous handlers come back after."""
+    import os
+    import signal
+
+    from modules.launch.guard import guarded_fit
+
+    before_hup, before_term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite run under nohup inherits it ignored
+    trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=None))
+    dm = SimpleNamespace(teardown=lambda stage: None)
+    try:
+        with pytest.raises(SystemExit) as info:
+            with guarded_fit(trainer, dm):
+                os.kill(os.getpid(), signal.SIGHUP)
+                for _ in range(100):  # the SIGTERM it re-sends is delivered between bytecodes
+                    sum(range(1000))
+                raise AssertionError("no SIGTERM raised")
+        assert info.value.code == 143
+        assert isinstance(info.value.__context__, SIGTERMException) or info.value.code == 143
+    finally:
+        assert (
+            signal.getsignal(signal.SIGHUP) == before_hup and signal.getsignal(signal.SIGTERM) == before_term
+        )
