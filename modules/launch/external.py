@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 
 from modules.launch.config_errors import ConfigError, check
-from modules.launch.schema import nodes, target_class
+from modules.launch.schema import nodes, plain, target_class
 
 
 def check_optimizers(cfg: DictConfig) -> None:
@@ -28,7 +28,7 @@ def check_optimizers(cfg: DictConfig) -> None:
         cls = target_class(node)
         if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
             continue
-        args = {k: _plain(node[k]) for k in node.keys() if isinstance(k, str) and not k.startswith("_")}
+        args = {k: plain(node[k]) for k in node.keys() if isinstance(k, str) and not k.startswith("_")}
         reason = _refusal(cls, args)
         if reason is None:
             continue
@@ -37,12 +37,6 @@ def check_optimizers(cfg: DictConfig) -> None:
             if alone is not None:
                 raise ConfigError(f"invalid config value {path}.{key}={value!r}: {alone} ({cls.__name__})")
         raise ConfigError(f"invalid config value {path}: {reason} ({cls.__name__})")
-
-
-def _plain(value: Any) -> Any:
-    return (
-        OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-    )
 
 
 def _refusal(cls: type, args: dict[str, Any]) -> str | None:

@@ -167,12 +167,15 @@ def check_known_keys(node: DictConfig, path: str, target: Callable) -> None:
     for key in node.keys():
         if key in RESERVED or not isinstance(key, str) or key in names:
             continue
-        close = difflib.get_close_matches(key, sorted(names), n=1)
-        hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
-        raise ConfigError(
-            f"unknown config field {path + '.' if path else ''}{key}{hint}: "
-            f"{getattr(target, '__qualname__', target)} takes {', '.join(sorted(names))}"
-        )
+        unknown_key(path, key, names, f"{getattr(target, '__qualname__', target)} takes")
+
+
+def unknown_key(path: str, key: str, known: set[str], owner: str) -> None:
+    """Refuse ``path.key``, naming the closest known key and all of them."""
+    prefix = f"{path}." if path else ""
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    raise ConfigError(f"unknown config field {prefix}{key}{hint}: {owner} {', '.join(sorted(known))}")
 
 
 def _non_finite(value: Any) -> list[float]:
@@ -197,7 +200,7 @@ def check_finite(cfg: DictConfig) -> None:
             if isinstance(child, DictConfig):
                 continue
             try:
-                value = _plain(node[key])
+                value = plain(node[key])
             except Exception:
                 continue
             bad = _non_finite(value)
@@ -252,12 +255,7 @@ def check_plain_keys(cfg: DictConfig) -> None:
             child = node._get_node(key)
             if isinstance(child, DictConfig) and "_target_" in child:
                 continue  # an object added to the group (+callbacks.mine._target_=...)
-            field = f"{path}.{key}" if path else key
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
-            raise ConfigError(
-                f"unknown config field {field}{hint}: {path or 'the top level'} has {', '.join(sorted(known))}"
-            )
+            unknown_key(path, key, known, f"{path or 'the top level'} has")
 
 
 def check_interpolations(cfg: DictConfig) -> None:
@@ -313,8 +311,9 @@ def nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
             yield from nodes(child, f"{path}.{key}" if path else key)
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, ListConfig):
+def plain(value: Any) -> Any:
+    """A config value as plain Python (lists and mappings resolved)."""
+    if isinstance(value, ListConfig | DictConfig):
         return OmegaConf.to_container(value, resolve=True)
     return value
 
@@ -346,7 +345,7 @@ def check_fields(node: DictConfig, path: str, hints: dict[str, Any], nullable: s
             continue
         if isinstance(value, DictConfig):
             continue  # an object (its own _target_) or a mapping: checked where it is defined
-        value = _plain(value)
+        value = plain(value)
         if value is None and key in nullable:
             continue
         ok = matches(value, hints[key])
