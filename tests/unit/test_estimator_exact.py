@@ -172,6 +172,67 @@ def test_pi_old_of_unflagged_samples_stays_mu_across_epochs(models):
         assert torch.equal(old[~flagged], batch["behavior_logprobs"][~flagged])
 
 
+def test_a_resume_part_way_through_a_rollout_batch_keeps_its_pi_old(models):
+    """Decoupled anchor, 3 minibatches: the checkpoint written after the first update carries
+    pi_old of the whole batch (scored with the weights before that update); the resumed run
+    trains the remaining minibatches against it, not against its partly updated weights. A
+    checkpoint before any update of the batch (the batch is given back) or between two
+    batches carries none, and a regenerated batch that reuses the group ids is scored again."""
+    from types import SimpleNamespace
+
+    from data.rollout.batches import minibatches
+    from modules.launch.compose import build
+    from tests.conftest import compose
+    from tests.unit.test_loss_selection import synthetic_exps
+
+    overrides = [f"model.path={models['tied']}", "algo.loss.anchor=decoupled"]
+    module = build(compose(overrides).module)
+    module.configure_model()
+    module._trainer = SimpleNamespace(global_step=5)  # what global_step reads
+    split = (3, 1, random.Random(0), 0, {}, False)  # 3 minibatches, 1 epoch, no sync after
+    module._steps = module.prepare_rollout_batch(minibatches(synthetic_exps(), *split))
+    raw = minibatches(synthetic_exps(), 3, 1, random.Random(0), 0, {}, False)  # the datamodule's copy
+    first = module._steps.pop(0)  # what training_step does
+    logp, _ = module.forward_logprobs(module.policy, first["input_ids"], first["attention_mask"], 1.0)
+    module._complete_old_logprobs(first, logp)
+    before = {k: v.clone() for k, v in module._old_by_sample.items()}
+    ckpt: dict = {}
+    module.on_save_checkpoint(ckpt)  # the first update has not finished: given back
+    assert ckpt["asyncrl"]["old_logprobs"] is None
+    module._trainer.global_step = 6  # it has
+    module.on_save_checkpoint(ckpt)
+    saved = ckpt["asyncrl"]["old_logprobs"]
+    assert sorted((g, i) for g, i, _, _ in saved) == sorted(before)
+
+    resumed = build(compose(overrides).module)
+    resumed.configure_model()
+    with torch.no_grad():  # the checkpoint's weights: one update later
+        for p in resumed.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    resumed.on_load_checkpoint(ckpt)
+    rest = resumed.prepare_rollout_batch(raw[1:])
+    for b in rest:
+        logp, _ = resumed.forward_logprobs(resumed.policy, b["input_ids"], b["attention_mask"], 1.0)
+        resumed._complete_old_logprobs(b, logp)
+        real = b["attention_mask"][:, 1:] > 0
+        for i, key in enumerate(zip(b["group_ids"].tolist(), b["sample_indexes"].tolist())):
+            n = int(real[i].sum())
+            assert torch.equal(b["old_logprobs"][i, :n], before[key][:n])
+            moved = resumed.old_logprobs({k: b[k][i : i + 1] for k in ("input_ids", "attention_mask")})
+            assert not torch.allclose(moved[0, :n], before[key][:n], atol=1e-4)  # the test can fail
+
+    # a regenerated batch with the same group ids and lengths, other tokens: scored again
+    again = build(compose(overrides).module)
+    again.configure_model()
+    again.on_load_checkpoint(ckpt)
+    other = minibatches(synthetic_exps(seed=1), 3, 1, random.Random(0), 0, {}, False)
+    again.prepare_rollout_batch(other)
+    assert again._resumed_old is None and other[0].get("old_from_forward")
+    module._steps = []  # between two batches: nothing to carry
+    module.on_save_checkpoint(ckpt)
+    assert ckpt["asyncrl"]["old_logprobs"] is None
+
+
 def test_dropout_is_off_in_rl_forward_passes(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
