@@ -140,3 +140,32 @@ def test_a_hangup_is_handled_as_sigterm_outside_and_inside_the_loop():
         assert (
             signal.getsignal(signal.SIGHUP) == before_hup and signal.getsignal(signal.SIGTERM) == before_term
         )
+
+
+def test_a_failed_weight_sync_or_a_nan_stop_writes_no_interrupt_checkpoint(tmp_path):
+    """A failure is not an interrupt: no ``interrupted.ckpt`` (the failed step's state may be
+    the cause; the last periodic checkpoint is the resume point), and the error escapes the
+    guard as itself (exit 1 with its message), the datamodule torn down (the engine stopped)."""
+    from modules.callbacks.checkpointing import CheckpointOnInterrupt
+    from modules.callbacks.weight_sync import WeightSyncError
+    from modules.policy.policy_gradient import NonFiniteLossError
+
+    saved = []
+    trainer = SimpleNamespace(
+        global_rank=0,
+        world_size=1,
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
+        strategy=SimpleNamespace(
+            launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
+        ),
+    )
+    cb = CheckpointOnInterrupt(str(tmp_path))
+    cb.on_train_start(trainer, SimpleNamespace(policy=None))
+    for failure in (
+        WeightSyncError("engine logprobs differ from the trainer's after syncing version 3"),
+        NonFiniteLossError("3 consecutive steps had non-finite logprobs or loss"),
+    ):
+        cb.on_exception(trainer, SimpleNamespace(policy=None), failure)
+        err, dm = run(raise_during(failure, failure))
+        assert err is failure and dm.torn_down == 1
+    assert saved == [] and not (tmp_path / "interrupted.ckpt").exists()
