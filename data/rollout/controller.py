@@ -39,6 +39,7 @@ class RolloutContext:
     prompts: PromptStream
     advantage: Any  # modules.algo.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
     seed: int = 0
+    episodes: Any = None  # data.envs.episodes.EpisodeRunner with a multi-turn env (env=...), else None
 
 
 @dataclass
@@ -61,6 +62,8 @@ class Pending:
     prefix_spans: list[tuple[int, int, int]] = field(default_factory=list)
     splits: int = 0
     gen_start: float | None = None
+    prefix_mask: list[int] = field(default_factory=list)  # 0: an observation token (episodes)
+    episode: Any = None  # an aborted episode's state (data.envs.episodes.EpisodeState)
 
 
 class RolloutController(HandOff):
@@ -268,14 +271,25 @@ class RolloutController(HandOff):
         return self.submit_planned(self.plan_group(row))
 
     def submit(self, p: Pending) -> cf.Future:
-        """Send one (possibly continued) request to the engine."""
+        """Send one (possibly continued) request to the engine: one completion, or with a
+        multi-turn environment one episode (``data/envs/episodes.py``; same future, same
+        ``Completion``, so every mode runs episodes unchanged)."""
         ctx = self.ctx
         assert ctx is not None
-        remaining = self.sampling.max_tokens - len(p.prefix_ids)
-        sampling = replace(self.sampling, max_tokens=max(1, remaining))
         seed = (p.seed + 7919 * p.splits) % (2**31)
         rid = f"g{p.group_id}-s{p.sample_index}" + (f"-c{p.splits}" if p.splits else "")
+        if ctx.episodes is not None:
+            return ctx.episodes.submit(p.prompt_ids, p.row, self.sampling, seed, rid, p.prefix_ids, p.episode)
+        remaining = self.sampling.max_tokens - len(p.prefix_ids)
+        sampling = replace(self.sampling, max_tokens=max(1, remaining))
         return ctx.engine.submit(p.prompt_ids + p.prefix_ids, sampling, seed=seed, request_id=rid)
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens a response may hold: ``rollout.sampling.max_tokens``, or an episode's budget
+        (``env.max_total_tokens``, model and observation tokens alike)."""
+        episodes = self.ctx.episodes if self.ctx is not None else None
+        return self.sampling.max_tokens if episodes is None else episodes.budget(self.sampling)
 
     def continuation(self, comp: Completion, p: Pending) -> Pending:
         """The pending request that resumes an aborted one from its partial response."""
@@ -288,16 +302,19 @@ class RolloutController(HandOff):
             prefix_ids=p.prefix_ids + list(comp.token_ids),
             prefix_logprobs=p.prefix_logprobs + list(comp.logprobs),
             prefix_spans=merge_spans(p.prefix_spans + spans),
+            prefix_mask=p.prefix_mask + self._mask(comp),
+            episode=comp.episode if comp.episode is not None else p.episode,
             splits=p.splits + 1,
             gen_start=p.gen_start if p.gen_start is not None else comp.start_time,
         )
 
+    @staticmethod
+    def _mask(comp: Completion) -> list[int]:
+        return list(comp.loss_mask) if comp.loss_mask is not None else [1] * len(comp.token_ids)
+
     def is_unfinished(self, comp: Completion, p: Pending) -> bool:
         """Aborted with token budget left: resubmit rather than train on it."""
-        return (
-            comp.finish_reason == "abort"
-            and len(p.prefix_ids) + len(comp.token_ids) < self.sampling.max_tokens
-        )
+        return comp.finish_reason == "abort" and len(p.prefix_ids) + len(comp.token_ids) < self.token_budget
 
     def to_experience(self, comp: Completion, p: Pending) -> Experience:
         """Score a finished response (reward runs here, as soon as it finishes)."""
@@ -309,13 +326,20 @@ class RolloutController(HandOff):
         spans = p.prefix_spans + [(v, s + off, e + off) for v, s, e in comp.version_spans]
         if not spans:
             spans = [(p.policy_version, 0, len(token_ids))]
-        text = ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
-        reward = task_reward = self.score(p.row, text)
-        truncated = comp.truncated or len(token_ids) >= self.sampling.max_tokens
-        mask = None
+        budget = self.token_budget
+        if comp.reward is not None:  # an episode: the environment scored it
+            reward = task_reward = float(comp.reward)
+        else:
+            reward = task_reward = self.score(
+                p.row, ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
+            )
+        truncated = comp.truncated or len(token_ids) >= budget
+        # an episode's observation tokens are context, not trained on (mask 0)
+        mask = p.prefix_mask + self._mask(comp) if comp.loss_mask is not None or p.prefix_mask else None
         if self.overlong is not None:
-            reward += self.overlong.length_penalty(len(token_ids), self.sampling.max_tokens)
-            mask = self.overlong.mask(truncated, len(token_ids))
+            reward += self.overlong.length_penalty(len(token_ids), budget)
+            cut = self.overlong.mask(truncated, len(token_ids))
+            mask = cut if mask is None or cut is None else [a * b for a, b in zip(mask, cut)]
         exp = Experience(
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,
@@ -337,6 +361,8 @@ class RolloutController(HandOff):
         )
         if self.overlong is not None:
             exp.extras["task_reward"] = task_reward
+        if comp.turns is not None:  # each turn's span, versions, reward and tool outcome
+            exp.extras["turns"] = comp.turns
         self.bias.on_generated(exp)
         return exp
 

@@ -387,4 +387,5 @@ def experience_line(e: Experience, step: int, version: int) -> dict[str, Any]:
         "splits": e.splits,
         "truncated": e.truncated,
         "weight": e.weight,
+        **({"turns": e.extras["turns"]} if "turns" in e.extras else {}),
     }

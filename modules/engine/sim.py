@@ -74,7 +74,7 @@ class CharTokenizer:
     pad_token_id = 0
     eos_token_id = 1
 
-    def __call__(self, text: str) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": [ord(c) for c in text]}
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

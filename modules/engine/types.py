@@ -43,6 +43,13 @@ class Completion:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # With ``prompt_logprobs=True``: one float per prompt token (None for the first).
     prompt_logprobs: list[float | None] | None = None
+    # A multi-turn episode (``data/envs/episodes.py``): 1 for the model's tokens, 0 for the
+    # environment's observations; the episode's reward; each turn's record; and its state, so
+    # an episode aborted at a weight sync resumes where it was.
+    loss_mask: list[int] | None = None
+    reward: float | None = None
+    turns: list[dict[str, Any]] | None = None
+    episode: Any = None
 
     @property
     def truncated(self) -> bool:
@@ -58,6 +65,9 @@ class SamplingConfig:
     top_k: int = -1
     max_tokens: int = 256
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
+    # tokens that end a request besides EOS, kept in its output (a multi-turn episode ends
+    # the model's turn with one: a tool call's closing token; ``data/envs``)
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check(
@@ -71,13 +81,16 @@ class SamplingConfig:
         check("rollout.sampling.max_tokens", self.max_tokens, self.max_tokens >= 1, "an int >= 1")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "max_tokens": self.max_tokens,
             "ignore_eos": self.ignore_eos,
         }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
 
 
 class Engine(Protocol):

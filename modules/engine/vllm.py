@@ -302,6 +302,7 @@ class VLLMEngine(HealthCheckedWaits):
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
             seed=seed,
             logprobs=0,  # logprob of the sampled token only
             prompt_logprobs=0 if logprobs_in else None,
