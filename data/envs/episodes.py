@@ -123,7 +123,12 @@ class EpisodeRunner:
             if room <= 0:
                 finish = "length"
                 break
-            turn_sampling = replace(sampling, max_tokens=room, stop_token_ids=self.stop_token_ids)
+            cap = (
+                room
+                if env.max_turn_tokens is None
+                else min(room, env.max_turn_tokens - self._turn_len(prefix, tokens, state))
+            )
+            turn_sampling = replace(sampling, max_tokens=max(1, cap), stop_token_ids=self.stop_token_ids)
             sub = f"{rid}-t{len(state.turns)}" + (f"-r{k}" if k else "")
             k += 1
             fut = self.engine.submit(
@@ -143,27 +148,27 @@ class EpisodeRunner:
             turn_ids = (prefix + tokens)[state.turn_start :]
             text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
             ended_by_stop = bool(turn_ids) and turn_ids[-1] in self.stop_token_ids
+            eos = comp.finish_reason == "stop" and not ended_by_stop  # the model ended the episode
             record: dict[str, Any] = {
                 "span": [state.turn_start, len(prefix) + len(tokens)],
                 "versions": sorted({v for v, _, _ in comp.version_spans}),
                 "stop": bool(ended_by_stop),
             }
-            if comp.finish_reason == "length" or not ended_by_stop:
-                # out of budget, or the model ended the episode itself (EOS): the environment
-                # scores the final turn and the episode ends either way
-                step = await self._step(state, text)
+            step = await self._step(state, text)  # every turn is answered, the last one scored
+            room = budget - len(prefix) - len(tokens)
+            if eos or step.done or room <= 0:
                 state.turns.append({**record, **self._record(step), "observation": [0, 0]})
-                finish = comp.finish_reason
+                cut = comp.finish_reason == "length" and room <= 0  # the budget cut the model's turn
+                finish = "length" if cut or not (eos or step.done) else "stop"
                 break
-            step = await self._step(state, text)
-            obs = self._encode(step.observation)[: max(0, budget - len(prefix) - len(tokens))]
+            obs = self._encode(step.observation)[:room]
             at = len(prefix) + len(tokens)
             tokens += obs
             logprobs += [0.0] * len(obs)
             mask += [0] * len(obs)
             state.turns.append({**record, **self._record(step), "observation": [at, at + len(obs)]})
             state.turn_start = len(prefix) + len(tokens)
-            if step.done or len(state.turns) >= env.max_turns:
+            if len(state.turns) >= env.max_turns:
                 finish = "stop"
                 break
         truncated = finish == "length"
@@ -185,6 +190,11 @@ class EpisodeRunner:
             episode=state,
         )
         return comp
+
+    @staticmethod
+    def _turn_len(prefix: list[int], tokens: list[int], state: EpisodeState) -> int:
+        """Tokens the current model turn already holds (a turn resumed after an abort)."""
+        return len(prefix) + len(tokens) - state.turn_start
 
     async def _step(self, state: EpisodeState, text: str) -> Step:
         try:

@@ -61,4 +61,23 @@ def rollout_stats(exps: list[Experience]) -> dict[str, float]:
         # staleness histogram of this batch (share of samples 0, 1, 2, 3+ versions old)
         **{f"rollout/staleness_frac_{k}": sum(min(e.staleness, 3) == k for e in exps) / n for k in range(3)},
         "rollout/staleness_frac_3plus": sum(e.staleness >= 3 for e in exps) / n,
+        **episode_stats(exps),
     }
+
+
+def episode_stats(exps: list[Experience]) -> dict[str, float]:
+    """Multi-turn episodes: turns per episode, model and observation tokens, tool errors."""
+    turns = [e.extras["turns"] for e in exps if "turns" in e.extras]
+    if not turns:
+        return {}
+    n = len(turns)
+    masks = [e.loss_mask or [] for e in exps if "turns" in e.extras]
+    called = [t for ts in turns for t in ts if "tool_error" in t]
+    out = {
+        "env/turns_mean": sum(map(len, turns)) / n,
+        "env/model_tokens_mean": sum(sum(m) for m in masks) / n,
+        "env/observation_tokens_mean": sum(len(m) - sum(m) for m in masks) / n,
+    }
+    if called:
+        out["env/tool_error_frac"] = sum(bool(t["tool_error"]) for t in called) / len(called)
+    return out

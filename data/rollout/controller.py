@@ -11,59 +11,22 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from data.rollout.bias import BiasTracker
 from data.rollout.experience import Experience
 from data.rollout.handoff import HandOff
-from data.rollout.prompts import PromptStream
+from data.rollout.requests import Pending, RolloutContext, merge_spans
 from data.rollout.rewards import RewardRunner, RewardWorkerError
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.staleness import StalenessBound
-from modules.engine.types import Completion, Engine, SamplingConfig
+from modules.engine.types import Completion, SamplingConfig
 from modules.launch.config_errors import check, check_choice
 
 
 class RewardError(RuntimeError):
     """The task's reward function raised; the message names the prompt."""
-
-
-@dataclass
-class RolloutContext:
-    """Everything a controller needs, handed over by the datamodule once the engine is up."""
-
-    engine: Engine
-    task: Any  # data.tasks.Task
-    tokenizer: Any
-    prompts: PromptStream
-    advantage: Any  # modules.algo.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
-    seed: int = 0
-    episodes: Any = None  # data.envs.episodes.EpisodeRunner with a multi-turn env (env=...), else None
-
-
-@dataclass
-class Pending:
-    """A submitted request and what it belongs to.
-
-    A request aborted at a weight sync is resubmitted as prompt + partial response; the
-    ``prefix_*`` fields carry what was generated before, so tokens, behaviour logprobs and
-    version spans stay aligned across the split.
-    """
-
-    row: dict
-    group_id: int
-    sample_index: int
-    seed: int
-    policy_version: int  # engine version when the first token was requested
-    prompt_ids: list[int] = field(default_factory=list)
-    prefix_ids: list[int] = field(default_factory=list)
-    prefix_logprobs: list[float] = field(default_factory=list)
-    prefix_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    splits: int = 0
-    gen_start: float | None = None
-    prefix_mask: list[int] = field(default_factory=list)  # 0: an observation token (episodes)
-    episode: Any = None  # an aborted episode's state (data.envs.episodes.EpisodeState)
 
 
 class RolloutController(HandOff):
@@ -407,16 +370,3 @@ class RolloutController(HandOff):
         self.next_group_id = int(state["next_group_id"])
         if "bias" in state:
             self.bias.load_state_dict(state["bias"])
-
-
-def merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Join adjacent spans of the same version: [(3,0,4),(3,4,9)] -> [(3,0,9)]."""
-    out: list[tuple[int, int, int]] = []
-    for v, s, e in spans:
-        if e <= s:
-            continue
-        if out and out[-1][0] == v and out[-1][2] == s:
-            out[-1] = (v, out[-1][1], e)
-        else:
-            out.append((v, s, e))
-    return out

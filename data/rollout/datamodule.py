@@ -29,10 +29,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from data.envs.episodes import EpisodeRunner
 from data.rollout.batches import minibatches, rollout_stats
 from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.evaluation import HeldOutEvaluator
-from data.rollout.experience import Experience
+from data.rollout.experience import Experience, experience_line
 from data.rollout.handoff import InTraining, exp_from_state, shard
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import pickle_task
@@ -59,6 +60,7 @@ class RolloutDataModule(L.LightningDataModule):
         sync_every_s: float | None = None,
         reward_errors: str = "fail",
         reward_timeout_s: float | None = None,
+        env: Any = None,
     ) -> None:
         super().__init__()
         check(
@@ -97,6 +99,8 @@ class RolloutDataModule(L.LightningDataModule):
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
         check("data.eval_size", eval_size, eval_size >= 0, "an int >= 0")
         self.task = task
+        self.env = env  # data.envs.base.Environment: multi-turn episodes (None: one turn per prompt)
+        self.episodes: EpisodeRunner | None = None
         self.engine = engine
         self.rollout = rollout
         self.advantage = advantage
@@ -145,9 +149,17 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine.pinning.apply()  # keep this rank off the engine cores too
             return
         self.engine.start()
+        if self.env is not None:
+            self.episodes = EpisodeRunner(self.engine, self.env, self.tokenizer)
         self.rollout.bind(
             RolloutContext(
-                self.engine, self.task, self.tokenizer, self.prompts, self.advantage, seed=self.seed
+                self.engine,
+                self.task,
+                self.tokenizer,
+                self.prompts,
+                self.advantage,
+                seed=self.seed,
+                episodes=self.episodes,
             )
         )
         self.evaluator = HeldOutEvaluator(
@@ -159,12 +171,15 @@ class RolloutDataModule(L.LightningDataModule):
             self.rollout.sampling.temperature,
             self.eval_max_tokens,
             self.eval_samples,
+            episodes=self.episodes,
         )
 
     def teardown(self, stage: str | None = None) -> None:
         """Stop the engine and the reward workers; safe to call twice (train.py's guard calls
         it again after a failed fit)."""
         self.rollout.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ training stream
@@ -185,6 +200,7 @@ class RolloutDataModule(L.LightningDataModule):
                 **self.rollout.stats,
                 **self.rollout.bias.metrics(),
                 "rollout/reward_errors": float(self.rollout.reward_error_count),
+                **(self.env.tools.take_stats() if self.env is not None else {}),
             }
             stats["perf/rollout_wait_s"] = waited
             # Weight sync trigger: every `sync_every` rollout batches, or once `sync_every_s`
@@ -365,27 +381,3 @@ def _world(trainer: Any) -> tuple[int, int]:
 def _as_is(item: Any) -> Any:
     """The DataLoader's collate: items are already collated minibatches."""
     return item
-
-
-def experience_line(e: Experience, step: int, version: int) -> dict[str, Any]:
-    """One trained sample's record without its tokens (``experiences.jsonl``)."""
-    return {
-        "step": step,
-        "version": version,
-        "group": e.group_id,
-        "sample": e.sample_index,
-        "prompt_id": e.prompt_id,
-        "level": e.difficulty,
-        "prompt_len": len(e.prompt_ids),
-        "len": len(e.response_ids),
-        "gen_start": e.gen_start,
-        "gen_end": e.gen_end,
-        "reward": e.reward,
-        "advantage": e.advantage,
-        "staleness": e.staleness,
-        "spans": e.version_spans,
-        "splits": e.splits,
-        "truncated": e.truncated,
-        "weight": e.weight,
-        **({"turns": e.extras["turns"]} if "turns" in e.extras else {}),
-    }

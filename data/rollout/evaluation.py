@@ -33,8 +33,10 @@ class HeldOutEvaluator:
         temperature: float,
         max_tokens: int,
         samples: int,
+        episodes: Any = None,
     ) -> None:
         self.engine, self.task, self.tokenizer, self.rows = engine, task, tokenizer, rows
+        self.episodes = episodes  # data.envs.episodes.EpisodeRunner: held-out episodes, env-scored
         self.score = score
         self.temperature, self.max_tokens, self.samples = temperature, max_tokens, samples
 
@@ -44,6 +46,7 @@ class HeldOutEvaluator:
         greedy = self._pass(SamplingConfig(temperature=0.0, max_tokens=self.max_tokens), 1)
         out = {"eval/reward_mean": greedy["mean"], "eval/response_len_mean": greedy["len"]}
         out["eval/exact_mean"] = greedy["exact"]
+        out.update({f"eval/{k}": greedy[k] for k in ("turns", "tool_error_rate") if k in greedy})
         out.update({f"eval/reward_level{lv}": r for lv, r in greedy["levels"].items()})
         out.update({f"eval/exact_level{lv}": r for lv, r in greedy["exact_levels"].items()})
         if self.samples:
@@ -55,6 +58,9 @@ class HeldOutEvaluator:
             out["eval/sampled_reward_se_prompts"] = sampled["se_prompts"]
             out["eval/sampled_exact_mean"] = sampled["exact"]
             out["eval/sampled_response_len_mean"] = sampled["len"]
+            out.update(
+                {f"eval/sampled_{k}": sampled[k] for k in ("turns", "tool_error_rate") if k in sampled}
+            )
             out.update({f"eval/sampled_reward_level{lv}": r for lv, r in sampled["levels"].items()})
             out.update({f"eval/sampled_exact_level{lv}": r for lv, r in sampled["exact_levels"].items()})
         return out
@@ -64,26 +70,38 @@ class HeldOutEvaluator:
         for i, row in enumerate(self.rows):
             ids = self.tokenizer(self.task.prompt_text(row))["input_ids"]
             for k in range(n):
-                fut = self.engine.submit(
-                    ids, sampling, seed=1000 * i + k, request_id=f"eval-{time.time_ns()}-{i}-{k}"
-                )
+                rid = f"eval-{time.time_ns()}-{i}-{k}"
+                if self.episodes is not None:
+                    fut = self.episodes.submit(ids, row, sampling, 1000 * i + k, rid)
+                else:
+                    fut = self.engine.submit(ids, sampling, seed=1000 * i + k, request_id=rid)
                 futs[fut] = (i, row)
         rewards: dict[int, list[float]] = {}
         per_prompt: dict[int, list[float]] = {}
-        lengths = []
+        lengths, turns, tool_errors = [], [], []
         pending = set(futs)
         while pending:
             done = self.engine.wait_any(pending)
             pending -= done
             for f in done:
                 comp, (i, row) = f.result(), futs[f]
-                text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                r = self.score(row, text)
+                if comp.reward is not None:  # an episode, scored by its environment
+                    r = float(comp.reward)
+                    turns.append(len(comp.turns or []))
+                    tool_errors += [bool(t.get("tool_error")) for t in comp.turns or [] if "tool_error" in t]
+                else:
+                    r = self.score(row, self.tokenizer.decode(comp.token_ids, skip_special_tokens=True))
                 rewards.setdefault(row.get("level", 0), []).append(r)
                 per_prompt.setdefault(i, []).append(r)
                 lengths.append(len(comp.token_ids))
         allr = [r for rs in rewards.values() for r in rs]
+        episode = {}
+        if turns:
+            episode["turns"] = sum(turns) / len(turns)
+        if tool_errors:
+            episode["tool_error_rate"] = sum(tool_errors) / len(tool_errors)
         return {
+            **episode,
             "mean": sum(allr) / len(allr),
             "se": sampling_error(list(per_prompt.values())),
             "se_prompts": standard_error([sum(rs) / len(rs) for rs in per_prompt.values()]),

@@ -97,3 +97,27 @@ def collate(batch: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
         "recompute": torch.tensor([e.recompute for e in batch], dtype=torch.bool),
         "staleness": torch.tensor([e.staleness for e in batch], dtype=torch.long),
     }
+
+
+def experience_line(e: Experience, step: int, version: int) -> dict[str, Any]:
+    """One trained sample's record without its tokens (``experiences.jsonl``)."""
+    return {
+        "step": step,
+        "version": version,
+        "group": e.group_id,
+        "sample": e.sample_index,
+        "prompt_id": e.prompt_id,
+        "level": e.difficulty,
+        "prompt_len": len(e.prompt_ids),
+        "len": len(e.response_ids),
+        "gen_start": e.gen_start,
+        "gen_end": e.gen_end,
+        "reward": e.reward,
+        "advantage": e.advantage,
+        "staleness": e.staleness,
+        "spans": e.version_spans,
+        "splits": e.splits,
+        "truncated": e.truncated,
+        "weight": e.weight,
+        **({"turns": e.extras["turns"]} if "turns" in e.extras else {}),
+    }

@@ -34,6 +34,7 @@ from modules.engine.placement import (
     uni_process_pinning,
 )
 from modules.engine.shm_transfer import make_transfer
+from modules.engine.stop import stop_llm
 from modules.engine.types import (
     INFLIGHT_MODES,
     Completion,
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
 
 # How long the engine core may take to exit after SIGTERM before vLLM force-kills it (vLLM's
 # own default, 5 s, is about what a loaded 2-core machine needs: measured 4.6 s idle).
-SHUTDOWN_GRACE_S = 30.0
-EXIT_FAST_TIMEOUT_S = 5.0
 
 
 class VLLMEngine(HealthCheckedWaits):
@@ -215,17 +214,8 @@ class VLLMEngine(HealthCheckedWaits):
         if thread is not None:
             thread.wait_built(self.startup_timeout_s if build_wait_s is None else build_wait_s)
         llm, self._llm = self._llm, None
-        if llm is not None and thread is not None and thread.alive:
-            # Cancel the output handler before the core goes away, inside the engine's loop,
-            # so vLLM does not report the intended shutdown as an engine death.
-            try:
-                thread.run(_shutdown_llm(llm, exit_fast=self.executor == "uni")).result(
-                    timeout=SHUTDOWN_GRACE_S + 30
-                )
-            except Exception:
-                llm.shutdown(timeout=SHUTDOWN_GRACE_S)
-        elif llm is not None:
-            llm.shutdown(timeout=SHUTDOWN_GRACE_S)
+        if llm is not None:
+            stop_llm(llm, thread if thread is not None and thread.alive else None, self.executor == "uni")
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None
@@ -395,19 +385,3 @@ class VLLMEngine(HealthCheckedWaits):
             "perf/engine_idle_frac": 1.0 - self._busy.seconds() / wall,
             "perf/tokens_per_s": self.tokens_generated / wall,
         }
-
-
-async def _shutdown_llm(llm: Any, exit_fast: bool = False) -> None:
-    if exit_fast and not getattr(llm, "errored", True):
-        # The worker runs inside the engine core (engine.executor=uni): tell it this exit is
-        # intended, so that after vLLM's shutdown it skips the interpreter's 2 s teardown
-        # (modules/engine/worker_extension.py). Not with vLLM's worker processes, whose exit
-        # the core waits on: there a fast exit left the core hanging in 2 of 3 runs.
-        try:
-            await asyncio.wait_for(llm.collective_rpc("asyncrl_exit_fast"), EXIT_FAST_TIMEOUT_S)
-        except Exception:
-            pass
-    handler = getattr(llm, "output_handler", None)
-    if handler is not None:
-        handler.cancel()
-    llm.shutdown(timeout=SHUTDOWN_GRACE_S)

@@ -25,7 +25,6 @@ default) is in ``modules/policy/packing.py``; the per-step time breakdown in ``m
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -42,6 +41,7 @@ from modules.policy.critic import Critic
 from modules.policy.hf_policy import build_policy, load_policy, named_weights
 from modules.policy.lora import LoRA, adapters_off, check_resume, is_lora
 from modules.policy.microbatch import MicroBatched
+from modules.policy.old_logprobs import OldLogprobs
 from modules.policy.packing import PackedForward
 from modules.policy.ranks import all_ranks_finite, reduce_over_ranks, sum_over_ranks
 from modules.policy.schedules import optimizers
@@ -52,7 +52,7 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive training steps with NaN/inf logprobs or loss."""
 
 
-class PolicyGradientModule(L.LightningModule):
+class PolicyGradientModule(OldLogprobs, L.LightningModule):
     needs_engine = True  # trains on rollouts: train.py places, checks and starts an engine
 
     def __init__(
@@ -130,14 +130,7 @@ class PolicyGradientModule(L.LightningModule):
         self._wait_s = 0.0
         self._steps: list[dict[str, Any]] = []  # optimizer steps left of the current rollout batch
         self.current_batch: dict[str, Any] | None = None  # the step's minibatch (WeightSync reads it)
-        # pi_old of this rollout batch's samples by (group_id, sample_index): one pass per sample
-        self._old_by_sample: dict[tuple[int, int], torch.Tensor] = {}
-        self._old_tokens: dict[tuple[int, int], int] = {}  # their tokens' digest (token_digest)
-        self._batch_first_step = 0  # global_step at the current rollout batch's first update
-        # pi_old saved by a checkpoint written part-way through a rollout batch (see
-        # on_save_checkpoint); the resumed run's first batch, that batch's remaining
-        # minibatches, takes it instead of scoring with its partly updated weights
-        self._resumed_old: dict[tuple[int, int], tuple[int, torch.Tensor]] | None = None
+        self.init_old_logprobs()
         self.step_times: dict[str, float] = {}  # this step's wait / prepare / forward seconds
 
     def configure_model(self) -> None:
@@ -295,89 +288,6 @@ class PolicyGradientModule(L.LightningModule):
     def needs_old_logprobs(self) -> bool:
         return self.loss_fn.needs_old_logprobs
 
-    def prepare_rollout_batch(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The passes a rollout batch needs before its first update, with the current weights:
-        pi_old for a decoupled anchor; in bypass mode, pi_old of the samples the ``Recompute``
-        staleness policy flagged (their ratio restarts at the current policy; the other rows
-        keep pi_old := mu). The behaviour logprobs mu are never replaced: the behaviour weight
-        pi_old / mu and the ``mismatch/*`` metrics still see how far the stale samples' policy
-        was. In decoupled mode pi_old is already the current policy for every row, so
-        ``Recompute`` adds nothing there.
-
-        One pass per sample: the first epoch's minibatches hold every sample once. The first
-        minibatch gets no pass here: it is flagged ``old_from_forward`` and its training forward
-        (same weights, same layout) supplies pi_old. Later epochs' minibatches (re-shuffled,
-        re-collated) read the values remembered by sample."""
-        self._batch_first_step = self.global_step
-        resumed, self._resumed_old = self._resumed_old, None
-        if resumed is not None and self._continues(steps, resumed):
-            # every minibatch looks its pi_old up by sample
-            self._old_tokens = {key: digest for key, (digest, _) in resumed.items()}
-            self._old_by_sample = {key: old.to(self.device) for key, (_, old) in resumed.items()}
-        else:
-            self._score_old_logprobs(steps)
-        if self.kl_reward.enabled:
-            self.last_kl_reward_penalty = self.kl_reward.apply(steps, self.ref_logprobs)
-        return steps
-
-    def _continues(self, steps: list[dict[str, Any]], old: dict[tuple[int, int], tuple[int, Any]]) -> bool:
-        """Whether ``steps`` are the rest of the batch whose pi_old is ``old``: every row that
-        needs pi_old has it, for the same tokens (a regenerated batch may reuse group ids)."""
-        for batch in steps:
-            keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
-            for i, (key, needed) in enumerate(zip(keys, self._old_rows(batch).tolist())):
-                if needed and (key not in old or old[key][0] != token_digest(batch, i)):
-                    return False
-        return True
-
-    def _score_old_logprobs(self, steps: list[dict[str, Any]]) -> None:
-        self._old_by_sample, self._old_tokens = {}, {}
-        for k, batch in enumerate(steps):
-            rows = self._old_rows(batch)
-            if not rows.any() or batch.get("epoch", 0) > 0:
-                continue
-            if k == 0:
-                batch["old_from_forward"] = True
-                continue
-            fresh = torch.zeros_like(batch["behavior_logprobs"])
-            idx = rows.nonzero().squeeze(1)
-            sub = self.old_logprobs({n: batch[n][idx] for n in ("input_ids", "attention_mask")})
-            fresh[idx] = sub
-            self._set_old_logprobs(batch, fresh)
-
-    def _old_rows(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Rows whose pi_old is the trainer's current policy (not mu)."""
-        if self.needs_old_logprobs:
-            return torch.ones_like(batch["recompute"])
-        return batch["recompute"]
-
-    def _set_old_logprobs(self, batch: dict[str, Any], fresh: torch.Tensor) -> None:
-        """pi_old of the batch from ``fresh`` on its rows that need it (mu elsewhere), and
-        remember it by sample for the later epochs."""
-        rows = self._old_rows(batch)
-        batch["old_logprobs"] = torch.where(rows[:, None], fresh, batch["behavior_logprobs"])
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
-        for i, key in enumerate(keys):
-            self._old_by_sample[key] = batch["old_logprobs"][i, : max(int(lengths[i]) - 1, 0)]
-            self._old_tokens[key] = token_digest(batch, i)
-
-    def _complete_old_logprobs(self, batch: dict[str, Any], logp: torch.Tensor) -> None:
-        """Fill pi_old of a minibatch that has none yet: from its own training forward (the
-        rollout batch's first minibatch) or from the values remembered by sample."""
-        if batch.pop("old_from_forward", False):
-            self._set_old_logprobs(batch, logp.detach())
-        elif "old_logprobs" not in batch and (rows := self._old_rows(batch)).any():
-            # only rows that need pi_old: a sample whose first-epoch minibatch needed none
-            # (bypass, nothing flagged there) was never stored, and keeps mu
-            old = batch["behavior_logprobs"].clone()
-            keys = zip(batch["group_ids"].tolist(), batch["sample_indexes"].tolist())
-            for i, (key, needed) in enumerate(zip(keys, rows.tolist())):
-                if needed:
-                    values = self._old_by_sample[key]
-                    old[i, : len(values)] = values
-            batch["old_logprobs"] = old
-
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference policy's logprobs of the batch's tokens."""
@@ -409,20 +319,8 @@ class PolicyGradientModule(L.LightningModule):
             "samples_trained": self.samples_trained,
             "rng": rng_states(),  # rank 0's; every rank resumes from them
             "lora": self.lora.spec() if self.lora is not None and self.lora.enabled else None,
-            "old_logprobs": self._part_trained_old(),
+            "old_logprobs": self.part_trained_old(),
         }
-
-    def _part_trained_old(self) -> list[list[Any]] | None:
-        """pi_old of the rollout batch in training, when some but not all of its updates are
-        done (the datamodule then saves the batch itself, ``data/rollout/handoff.py``): it was
-        scored with the weights before the batch's first update, which a resumed run no longer
-        has. As [group id, sample index, token digest, logprobs] (plain values: checkpoints load
-        with ``weights_only``). Under DDP each rank's own samples; rank 0 writes the file, so
-        the other ranks score theirs again on resume (docs/usage.md)."""
-        done = self.global_step - self._batch_first_step
-        if not self._steps or done <= 0:
-            return None
-        return [[g, i, self._old_tokens[g, i], t.detach().cpu()] for (g, i), t in self._old_by_sample.items()]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("asyncrl", {})
@@ -431,8 +329,7 @@ class PolicyGradientModule(L.LightningModule):
         self.samples_trained = int(state.get("samples_trained", 0))
         if state.get("rng"):
             set_rng_states(state["rng"])
-        old = state.get("old_logprobs")
-        self._resumed_old = None if old is None else {(int(g), int(i)): (int(d), t) for g, i, d, t in old}
+        self.resume_old_logprobs(state.get("old_logprobs"))
         self.configure_model()
 
     def configure_optimizers(self) -> Any:
@@ -440,9 +337,3 @@ class PolicyGradientModule(L.LightningModule):
         if self.critic is not None:  # its own parameter group and learning rate
             params = [{"params": list(params)}, {"params": self.critic.parameters(), "lr": self.critic.lr}]
         return optimizers(params, self.optimizer_factory, self.scheduler_factory)
-
-
-def token_digest(batch: dict[str, Any], row: int) -> int:
-    """A digest of a minibatch row's real tokens (which sample a saved pi_old belongs to)."""
-    ids = batch["input_ids"][row][batch["attention_mask"][row] > 0]
-    return zlib.crc32(ids.to(torch.int64).cpu().numpy().tobytes())

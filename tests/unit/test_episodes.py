@@ -259,3 +259,12 @@ def test_modelled_latency_delays_the_call_and_concurrency_limits_it():
     elapsed = asyncio.run(four())
     assert 0.18 < elapsed < 1.0  # two waves of 0.1 s
     assert replace(SAMPLING, stop_token_ids=(61,)).as_dict()["stop_token_ids"] == [61]
+
+
+def test_a_turn_cut_by_the_per_turn_cap_is_answered_like_any_other():
+    engine = ScriptedEngine(["13*17=", "221.\x01"])
+    comp = run(EpisodeRunner(engine, Calc(max_turn_tokens=3), TOK))
+    assert comp.token_ids == ids("13*") and comp.reward == 0.0  # the environment took it as the answer
+    assert comp.finish_reason == "stop" and len(comp.turns) == 1
+    comp = run(EpisodeRunner(engine, Calc(max_turn_tokens=6), TOK))
+    assert comp.token_ids == ids("13*17=221\n221.") + [EOS] and comp.reward == 1.0

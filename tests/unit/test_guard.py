@@ -123,8 +123,8 @@ def test_a_hangup_is_handled_as_sigterm_outside_and_inside_the_loop():
 
     from modules.launch.guard import guarded_fit
 
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite run under nohup inherits SIG_IGN
     before_hup, before_term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite run under nohup inherits it ignored
     trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=None))
     dm = SimpleNamespace(teardown=lambda stage: None)
     try:
@@ -137,9 +137,11 @@ def test_a_hangup_is_handled_as_sigterm_outside_and_inside_the_loop():
         assert info.value.code == 143
         assert isinstance(info.value.__context__, SIGTERMException) or info.value.code == 143
     finally:
-        assert (
+        restored = (
             signal.getsignal(signal.SIGHUP) == before_hup and signal.getsignal(signal.SIGTERM) == before_term
         )
+        signal.signal(signal.SIGHUP, inherited)
+        assert restored
 
 
 def test_a_failed_weight_sync_or_a_nan_stop_writes_no_interrupt_checkpoint(tmp_path):

@@ -1,0 +1,71 @@
+"""The calculator task (data/tasks/calculator.py): rows, demonstrations, reward, environment."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from data.tasks.calculator import LEVELS, CalculatorEnv, CalculatorTask, calculate
+from modules.policy.tiny_model import ALPHABET
+
+
+def test_rows_are_deterministic_and_inside_the_tokenizers_alphabet():
+    task = CalculatorTask()
+    a, b = task.build("sft", 200), task.build("sft", 200)
+    assert a.to_list() == b.to_list()
+    assert task.build("train", 50).to_list() != task.build("eval", 50).to_list()
+    for row in a:
+        assert set(row["prompt"] + row["demo"]) <= set(ALPHABET)
+        x, y = map(int, row["prompt"][:-1].split("*"))
+        assert (len(str(x)), len(str(y))) == LEVELS[row["level"]]
+        assert row["answer"] == str(x * y)
+
+
+def test_demonstrations_call_the_tool_at_the_configured_rate_and_guess_otherwise():
+    task = CalculatorTask(demo_tool=0.3, demo_right=0.5)
+    rows = task.build("sft", 3000).to_list()
+    tool = [r for r in rows if "=" in r["demo"]]
+    assert 0.26 < len(tool) / len(rows) < 0.34
+    assert all(r["demo"] == f"{r['prompt'][:-1]}={r['answer']};{r['answer']}." for r in tool)
+    direct = [r for r in rows if "=" not in r["demo"] and r["level"] > 0]
+    right = sum(task.reward(r, r["demo"]) for r in direct) / len(direct)
+    assert 0.45 < right < 0.55  # beyond one digit, answering in one's head is a coin flip
+    assert all(task.reward(r, r["demo"]) == 1.0 for r in tool)
+
+
+def test_the_environment_calls_the_calculator_and_scores_the_final_answer():
+    env = CalculatorEnv(max_turns=3)
+    row = {"id": 0, "prompt": "47*38?", "answer": "1786", "level": 2}
+
+    async def episode(turns: list[str]):
+        state = await env.reset(row)
+        return [await env.step(state, t) for t in turns]
+
+    call, answer = asyncio.run(episode(["47*38=", "47*38=1786;1786."]))
+    assert (
+        call.observation == "1786;"
+        and not call.done
+        and call.info == {"valid_call": True, "tool_error": False}
+    )
+    assert answer.done and answer.reward == 1.0
+    (bad,) = asyncio.run(episode(["47*=3="]))
+    assert bad.observation == "error;" and bad.info["valid_call"] is False
+    (wrong,) = asyncio.run(episode(["1780."]))
+    assert wrong.done and wrong.reward == 0.0
+    assert env.stop == ("=",)
+    with pytest.raises(ValueError, match="not a calculation"):
+        calculate("4**2")
+
+
+def test_the_recipes_compose_and_build_the_environment():
+    from modules.launch.compose import build
+    from tests.conftest import compose
+
+    cfg = compose(["recipe=agent_calculator"])
+    env = build(cfg.data.env)
+    assert isinstance(env, CalculatorEnv) and env.max_turns == 3 and env.tools.retries == 1
+    assert cfg.rollout.sampling.max_tokens == 32 and cfg.task._target_.endswith("CalculatorTask")
+    assert compose([]).data.env is None  # one turn by default
+    with pytest.raises(Exception, match="env.max_turns"):
+        build(compose(["recipe=agent_calculator", "env.max_turns=0"]).data.env)
