@@ -7,6 +7,7 @@ the weights would never change; end-to-end tests swap in this task
 
 from __future__ import annotations
 
+from data.envs.base import Environment, Step
 from data.tasks.remainder import RemainderTask
 
 
@@ -97,3 +98,12 @@ class UnpicklableTask(ScriptedRewardTask):
 
         super().__init__(lengths)
         self.lock = threading.Lock()
+
+
+class EveryTurnAnswered(Environment):
+    """Answers every model turn with ``"<its length>;"`` and a reward of 0.25 until
+    ``max_turns`` (a random model rarely writes a stop token: its turns end at
+    ``max_turn_tokens``); multi-turn episodes on any model."""
+
+    async def step(self, state: dict, turn: str) -> Step:
+        return Step(observation=f"{len(turn)};", reward=0.25)

@@ -630,6 +630,36 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
     )
 
 
+def test_agent_recipe_trains_on_multi_turn_episodes(tmp_path, models):
+    """recipe=agent_calculator (streaming, an environment with a tool) on the random model:
+    episodes of up to three turns, each observation between its turn and the next, per-turn
+    metrics, verified syncs, and each turn's span and versions in experiences.jsonl."""
+    rows = train(
+        tmp_path,
+        "recipe=agent_calculator",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "env._target_=tests.helpers.EveryTurnAnswered",
+        "env.max_turn_tokens=6",
+        "trainer.max_steps=3",
+    )
+    train_rows = [r for r in rows if r["train/loss"]]
+    assert len(train_rows) == 3 and all(math.isfinite(float(r["train/loss"])) for r in train_rows)
+    assert max(float(r["perf/weight_sync_max_abs_diff"]) for r in train_rows[1:]) < 1e-4
+    for r in train_rows:  # a turn the model ends with EOS ends its episode early
+        assert 1 <= float(r["env/turns_mean"]) <= 3 and float(r["env/observation_tokens_mean"]) > 0
+        assert float(r["train/reward_mean"]) == pytest.approx(0.25 * float(r["env/turns_mean"]))
+    assert any(r.get("eval/turns") for r in rows)  # held-out episodes too
+    lines = [json.loads(x) for x in (tmp_path / "experiences.jsonl").read_text().splitlines()]
+    assert max(len(line["turns"]) for line in lines) == 3
+    for line in lines:
+        turns = line["turns"]
+        assert line["reward"] == pytest.approx(0.25 * len(turns)) and turns[0]["span"][0] == 0
+        for turn, after in zip(turns, turns[1:]):  # model turn, its observation, the next turn
+            assert turn["versions"] and turn["span"][1] == turn["observation"][0]
+            assert after["span"][0] == turn["observation"][1] > turn["observation"][0]
+
+
 @pytest.mark.parametrize("recipe", ["ppo", "dapo"])
 def test_knob_recipes_end_to_end(tmp_path, models, recipe):
     """recipe=ppo (a critic beside the policy, one response per prompt) and recipe=dapo (dynamic
