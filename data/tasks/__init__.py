@@ -1,6 +1,7 @@
 """Tasks: where prompts come from and how responses are scored.
 
     remainder.py   the default task, built by the project (no downloads), long-tailed lengths
+    calculator.py  multiplication with a calculator tool: a multi-turn task (``env=calculator``)
     gsm8k.py       GSM8K word problems (hub data; bundled examples for offline tests)
     math.py        MATH competition problems (hub data; bundled examples for offline tests)
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from modules.launch.config_errors import check
+
 
 @runtime_checkable
 class Task(Protocol):
@@ -33,3 +36,15 @@ class Task(Protocol):
 
     def reward(self, row: dict, response: str) -> float:
         """Score of a decoded response; it may raise (``data.reward_errors`` decides)."""
+
+
+def level_weights(weights: Sequence[float], levels: int) -> tuple[float, ...]:
+    """``task.level_weights`` checked: one non-negative weight per level, not all zero."""
+    out = tuple(float(w) for w in weights)
+    check(
+        "task.level_weights",
+        list(out),
+        len(out) == levels and min(out) >= 0 and sum(out) > 0,
+        f"{levels} non-negative weights, not all zero",
+    )
+    return out

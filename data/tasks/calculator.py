@@ -26,6 +26,7 @@ from typing import Any
 from datasets import Dataset
 
 from data.envs.base import Environment, Step
+from data.tasks import level_weights
 from modules.launch.config_errors import check
 
 # (digits of a, digits of b) per level
@@ -55,15 +56,7 @@ class CalculatorTask:
     name: str = "calculator"
 
     def __post_init__(self) -> None:
-        self.level_weights = tuple(float(w) for w in self.level_weights)
-        check(
-            "task.level_weights",
-            list(self.level_weights),
-            len(self.level_weights) == len(LEVELS)
-            and min(self.level_weights) >= 0
-            and sum(self.level_weights) > 0,
-            f"{len(LEVELS)} non-negative weights, not all zero",
-        )
+        self.level_weights = level_weights(self.level_weights, len(LEVELS))
         check("task.demo_tool", self.demo_tool, 0.0 <= self.demo_tool <= 1.0, "a float in [0, 1]")
         check("task.demo_right", self.demo_right, 0.0 <= self.demo_right <= 1.0, "a float in [0, 1]")
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
+from data.tasks import level_weights
 from modules.launch.config_errors import check
 
 # (min steps, max steps) per difficulty level.
@@ -121,15 +122,7 @@ class RemainderTask:
     name: str = "remainder"
 
     def __post_init__(self) -> None:
-        self.level_weights = tuple(float(w) for w in self.level_weights)
-        check(
-            "task.level_weights",
-            list(self.level_weights),
-            len(self.level_weights) == len(LEVELS)
-            and min(self.level_weights) >= 0
-            and sum(self.level_weights) > 0,
-            f"{len(LEVELS)} non-negative weights, not all zero",
-        )
+        self.level_weights = level_weights(self.level_weights, len(LEVELS))
         longest = LEVELS[-1][1]
         check(
             "task.min_divisor",

@@ -34,6 +34,18 @@ def run(body, rank: int = 0) -> tuple[BaseException | None, Datamodule]:
     return None, dm
 
 
+def checkpointing_trainer(saved: list) -> SimpleNamespace:
+    """A rank-0 trainer whose checkpoint writes land in ``saved`` (their paths)."""
+    return SimpleNamespace(
+        global_rank=0,
+        world_size=1,
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
+        strategy=SimpleNamespace(
+            launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
+        ),
+    )
+
+
 def raise_during(first: BaseException, then: BaseException):
     def body() -> None:
         try:
@@ -78,15 +90,8 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
     from modules.callbacks.checkpointing import CheckpointOnInterrupt
     from modules.launch.guard import ctrl_c_received
 
-    saved = []
-    trainer = SimpleNamespace(
-        global_rank=0,
-        world_size=1,
-        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
-        strategy=SimpleNamespace(
-            launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
-        ),
-    )
+    saved: list = []
+    trainer = checkpointing_trainer(saved)
     cb = CheckpointOnInterrupt(str(tmp_path))
     cb.on_exception(trainer, SimpleNamespace(policy=None), KeyboardInterrupt())
     assert saved == []  # interrupted before the loop started (engine start-up): nothing to save
@@ -152,15 +157,8 @@ def test_a_failed_weight_sync_or_a_nan_stop_writes_no_interrupt_checkpoint(tmp_p
     from modules.callbacks.weight_sync import WeightSyncError
     from modules.policy.policy_gradient import NonFiniteLossError
 
-    saved = []
-    trainer = SimpleNamespace(
-        global_rank=0,
-        world_size=1,
-        _checkpoint_connector=SimpleNamespace(dump_checkpoint=lambda weights_only: {"step": 3}),
-        strategy=SimpleNamespace(
-            launcher=None, checkpoint_io=SimpleNamespace(save_checkpoint=lambda c, p: saved.append(p))
-        ),
-    )
+    saved: list = []
+    trainer = checkpointing_trainer(saved)
     cb = CheckpointOnInterrupt(str(tmp_path))
     cb.on_train_start(trainer, SimpleNamespace(policy=None))
     for failure in (
