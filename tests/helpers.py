@@ -107,3 +107,21 @@ class EveryTurnAnswered(Environment):
 
     async def step(self, state: dict, turn: str) -> Step:
         return Step(observation=f"{len(turn)};", reward=0.25)
+
+
+class SigtermAtEvaluationTask(DigitShareTask):
+    """Sends SIGTERM to its own (trainer) process the first time it scores a held-out row:
+    a scheduler's stop that lands during the evaluation before the first step."""
+
+    def build(self, split: str, size: int, level_weights=None):
+        rows = super().build(split, size, level_weights)
+        return rows.map(lambda row: {"held_out": split == "eval"})
+
+    def reward(self, row: dict, response: str) -> float:
+        import os
+        import signal
+
+        if row.get("held_out") and not getattr(SigtermAtEvaluationTask, "sent", False):
+            SigtermAtEvaluationTask.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().reward(row, response)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,6 +44,7 @@ class EpisodeState:
     turns: list[dict[str, Any]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     turn_start: int = 0  # index (in the episode's tokens) where the current model turn began
+    turn_versions: set[int] = field(default_factory=set)  # versions that wrote the current turn
 
 
 class EpisodeRunner:
@@ -108,7 +110,19 @@ class EpisodeRunner:
     ) -> Completion:
         env = self.env
         if state is None:
-            state = EpisodeState(env_state=await env.reset(row))
+            try:
+                state = EpisodeState(env_state=await env.reset(row))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the environment's bug scores the episode 0
+                error = {
+                    "env_error": f"reset: {type(e).__name__}: {e}",
+                    "span": [0, 0],
+                    "observation": [0, 0],
+                }
+                return Completion(
+                    rid, prompt_ids, [], [], "stop", 0.0, 0.0, loss_mask=[], reward=0.0, turns=[error]
+                )
         budget = self.budget(sampling)
         tokens: list[int] = []  # this submission's tokens (after prompt + prefix)
         logprobs: list[float] = []
@@ -128,13 +142,17 @@ class EpisodeRunner:
                 if env.max_turn_tokens is None
                 else min(room, env.max_turn_tokens - self._turn_len(prefix, tokens, state))
             )
-            turn_sampling = replace(sampling, max_tokens=max(1, cap), stop_token_ids=self.stop_token_ids)
             sub = f"{rid}-t{len(state.turns)}" + (f"-r{k}" if k else "")
             k += 1
-            fut = self.engine.submit(
-                prompt_ids + prefix + tokens, turn_sampling, seed=seed + 7 * k, request_id=sub
-            )
-            comp: Completion = await asyncio.wrap_future(fut)
+            if cap <= 0:  # resumed exactly at the turn's cap: the turn is complete
+                comp = Completion(sub, [], [], [], "length", time.time(), time.time(), [])
+            else:
+                turn_sampling = replace(sampling, max_tokens=cap, stop_token_ids=self.stop_token_ids)
+                fut = self.engine.submit(
+                    prompt_ids + prefix + tokens, turn_sampling, seed=seed + 7 * k, request_id=sub
+                )
+                comp = await asyncio.wrap_future(fut)
+            state.turn_versions |= {v for v, s, e in comp.version_spans if e > s}
             start = comp.start_time if start is None else start
             end = comp.end_time
             off = len(tokens)
@@ -151,7 +169,7 @@ class EpisodeRunner:
             eos = comp.finish_reason == "stop" and not ended_by_stop  # the model ended the episode
             record: dict[str, Any] = {
                 "span": [state.turn_start, len(prefix) + len(tokens)],
-                "versions": sorted({v for v, _, _ in comp.version_spans}),
+                "versions": sorted(state.turn_versions),  # across a resume, too
                 "stop": bool(ended_by_stop),
             }
             step = await self._step(state, text)  # every turn is answered, the last one scored
@@ -168,13 +186,20 @@ class EpisodeRunner:
             mask += [0] * len(obs)
             state.turns.append({**record, **self._record(step), "observation": [at, at + len(obs)]})
             state.turn_start = len(prefix) + len(tokens)
+            state.turn_versions = set()
             if len(state.turns) >= env.max_turns:
                 finish = "stop"
                 break
         truncated = finish == "length"
         reward = None
         if finish != "abort":
-            reward = env.final_reward(state.env_state, state.rewards, truncated)
+            try:
+                reward = env.final_reward(state.env_state, state.rewards, truncated)
+            except Exception as e:  # noqa: BLE001 - as a failing step: the episode scores 0
+                reward = 0.0
+                state.turns[-1:] = [
+                    {**(state.turns[-1] if state.turns else {}), "env_error": f"final_reward: {e!r}"}
+                ]
         comp = Completion(
             rid,
             prompt_ids,

@@ -1,7 +1,7 @@
 """Tool calls of multi-turn environments: off the engine's loop, bounded, never fatal.
 
-``ToolRunner.call(fn, *args)`` runs a tool (a plain function in a thread pool, or a coroutine
-function on the episode loop) with:
+``ToolRunner.call(fn, *args)`` runs a tool (a plain function on a daemon thread of its own, or a
+coroutine function on the episode loop) with:
 
 * a concurrency limit (``concurrency`` calls at once across all episodes; the rest queue),
 * a timeout per attempt (``timeout_s``) and ``retries`` further attempts after a failure,
@@ -12,18 +12,22 @@ and returns a ``ToolResult``: the output, or the error as text with ``ok=False``
 last attempt. A tool that raises or hangs becomes an observation and a counter in the turn
 record (``tool_errors``, ``tool_timeouts``), never a crash or a hang of the rollout.
 
-A tool served over HTTP is a coroutine function that posts to it (``http.py``).
+A plain function that hangs keeps its thread (Python cannot kill a thread) but not the
+rollout or the process's exit: the call times out and the thread is a daemon. A retry runs the
+tool again, so retries suit idempotent tools. A tool served over HTTP is a coroutine function
+that posts to it (not shipped yet).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import math
 import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,16 +116,18 @@ class ToolRunner:
         self.retries = retries
         self.latency = latency if latency is not None else Latency()
         self._rng = random.Random(seed)
-        self._sem: asyncio.Semaphore | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._sems: dict[int, asyncio.Semaphore] = {}  # one per event loop that runs calls
         self._lock = threading.Lock()
         self.calls = self.errors = self.timeouts = 0
         self.seconds: list[float] = []  # every call's wall time (percentiles in the metrics)
 
     def _semaphore(self) -> asyncio.Semaphore:
-        if self._sem is None:  # created on the loop that runs the calls
-            self._sem = asyncio.Semaphore(self.concurrency)
-        return self._sem
+        """The concurrency limit of the running loop (a semaphore belongs to one loop)."""
+        loop = id(asyncio.get_running_loop())
+        with self._lock:
+            if loop not in self._sems:
+                self._sems = {loop: asyncio.Semaphore(self.concurrency)}  # the old loop is gone
+            return self._sems[loop]
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> ToolResult:
         """Run ``fn(*args)`` as described above; never raises (but lets a cancellation through)."""
@@ -155,11 +161,9 @@ class ToolRunner:
     async def _attempt(self, fn: Callable[..., Any], args: tuple, delay: float) -> Any:
         if delay > 0:
             await asyncio.sleep(delay)
-        if asyncio.iscoroutinefunction(fn):
+        if is_async(fn):
             return await fn(*args)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="asyncrl-tool")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await on_daemon_thread(fn, args)
 
     def take_stats(self) -> dict[str, float]:
         """Counters and latency percentiles since the last call (for the step's metrics)."""
@@ -178,6 +182,42 @@ class ToolRunner:
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            self._sems = {}
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """A coroutine function, also behind ``functools.partial``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn)
+
+
+async def on_daemon_thread(fn: Callable[..., Any], args: tuple) -> Any:
+    """``fn(*args)`` on a new daemon thread: one that hangs outlives its timeout but neither
+    blocks a pool of later calls nor the process's exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        value, error = None, None
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
+            error = e
+        try:
+            loop.call_soon_threadsafe(_settle, fut, value, error)
+        except RuntimeError:  # the loop closed meanwhile (the run ended): nobody waits
+            pass
+
+    threading.Thread(target=run, name="asyncrl-tool", daemon=True).start()
+    return await fut
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():  # timed out or cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)

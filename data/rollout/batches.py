@@ -57,7 +57,8 @@ def rollout_stats(exps: list[Experience]) -> dict[str, float]:
         "rollout/gen_span_s": end - start,
         "rollout/tokens": float(sum(lengths)),
         # carried over: aborted and resubmitted, or generated across a weight update
-        "rollout/carried_frac": sum(e.splits > 0 or len(e.version_spans) > 1 for e in exps) / n,
+        "rollout/carried_frac": sum(e.splits > 0 or len({v for v, _, _ in e.version_spans}) > 1 for e in exps)
+        / n,
         # staleness histogram of this batch (share of samples 0, 1, 2, 3+ versions old)
         **{f"rollout/staleness_frac_{k}": sum(min(e.staleness, 3) == k for e in exps) / n for k in range(3)},
         "rollout/staleness_frac_3plus": sum(e.staleness >= 3 for e in exps) / n,

@@ -58,6 +58,11 @@ class Experience:
                 out[i] = version
         return out
 
+    def oldest_version(self) -> int:
+        """The oldest policy version that wrote one of its tokens (what staleness counts). An
+        episode's observation tokens are in no span and no version wrote them: not counted."""
+        return min((v for v, s, e in self.version_spans if e > s), default=self.policy_version)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

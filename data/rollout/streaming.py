@@ -260,7 +260,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                     self._sizing.observe(self.ctx.engine.clock() - group.started_at)
                     exps = self.finish_group(group.exps)
                     exps[0].extras["row"] = group.row  # lets a checkpoint re-queue its prompt
-                    oldest = min(min(e.token_versions(), default=e.policy_version) for e in exps)
+                    oldest = min(e.oldest_version() for e in exps)
                     self._buffer.append(Ready(p.group_id, exps, oldest, time.time(), group.row.get("level")))
                 self._top_up()
             except BaseException as e:  # surfaced by next_batch in the trainer thread
@@ -272,7 +272,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
     def _release_single(self, gid: int, group: _Group, exp: Experience) -> None:
         exp.advantage = self.ctx.advantage.single(exp.reward, group.row.get("id"))
         exp.extras["row"] = group.row
-        oldest = min(exp.token_versions(), default=exp.policy_version)
+        oldest = exp.oldest_version()
         self._buffer.append(Ready(gid, [exp], oldest, time.time(), group.row.get("level")))
         if len(group.exps) == self.group_size:
             del self._groups[gid]
@@ -349,7 +349,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             r.exps = self.bound.admit(r.exps, version, r.start_version) or []  # 3) weight / recompute
             self.counters["over_bound"] += 1 if past and r.exps else 0
             for e in r.exps:
-                e.staleness = version - min(e.token_versions(), default=e.policy_version)
+                e.staleness = version - e.oldest_version()
                 if e.weight != 1.0:
                     self.counters["downweighted"] += 1
                 if e.recompute:

@@ -53,7 +53,7 @@ class SyncRollout(RolloutController):
         # ahead of the engine that generated the batch
         current = ctx.engine.version if self.trainer_version is None else self.trainer_version
         for e in batch:
-            e.staleness = current - min(e.token_versions(), default=e.policy_version)
+            e.staleness = current - e.oldest_version()
         return batch
 
     def _round(self, n_groups: int) -> list[Experience]:

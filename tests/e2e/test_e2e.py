@@ -298,22 +298,46 @@ def test_ctrl_c_stops_the_run_cleanly_and_resumes_at_k0(tmp_path, models):
         assert set(in_flight[0]) <= trained_again
 
 
-def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, models):
+@pytest.mark.parametrize("phase", ["training", "evaluation", "shutdown"])
+def test_sigterm_in_each_phase_stops_cleanly(tmp_path, models, phase):
+    """SIGTERM (a scheduler's stop) to the trainer: mid-training, during the held-out evaluation
+    before the first step (the task sends it when it scores a held-out row), and while the run
+    shuts down (after the final evaluation: checkpoint, engine stop). Exit 143 with a
+    checkpoint when something was trained and the stop came before the end; nothing left
+    behind in any phase. (Start-up: test_phases.py.)"""
+    task = "SigtermAtEvaluationTask" if phase == "evaluation" else "DigitShareTask"
     proc = start(
         tmp_path,
         models["tied"],
-        "task._target_=tests.helpers.DigitShareTask",
-        "trainer.max_steps=1000",
-        "data.eval_size=0",
+        f"task._target_=tests.helpers.{task}",
+        f"trainer.max_steps={3 if phase == 'shutdown' else 1000}",
+        *(["data.eval_size=0"] if phase == "training" else []),
     )
-    wait_for_training(proc, tmp_path)
     t0 = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the main process
-    proc.communicate(timeout=120)
-    print(f"FAULT-TIMING SIGTERM -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
-    assert proc.returncode == 143
-    assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
-    assert not wait_gone(proc.pid), "engine processes outlived SIGTERM"
+    if phase == "training":
+        wait_for_training(proc, tmp_path)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the main process
+    elif phase == "shutdown":
+        log = tmp_path / "train.log"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "held-out sampled reward" not in (
+            log.read_text() if log.exists() else ""
+        ):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    print(f"FAULT-TIMING SIGTERM ({phase}) -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
+    assert "Traceback" not in err, err[-3000:]
+    if phase == "shutdown":  # the work is done: the shutdown finishes, as a shutdown or a stop
+        assert proc.returncode in (0, 143), err[-3000:]
+        assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    else:
+        assert proc.returncode == 143, err[-3000:]
+        assert (tmp_path / "checkpoints" / "interrupted.ckpt").exists()
+    assert not wait_gone(proc.pid), f"engine processes outlived SIGTERM during {phase}"
 
 
 def test_sigterm_under_ddp_stops_all_ranks_with_a_checkpoint(tmp_path, models):

@@ -69,3 +69,13 @@ def test_the_recipes_compose_and_build_the_environment():
     assert compose([]).data.env is None  # one turn by default
     with pytest.raises(Exception, match="env.max_turns"):
         build(compose(["recipe=agent_calculator", "env.max_turns=0"]).data.env)
+
+
+def test_a_critic_with_a_multi_turn_env_is_refused_at_start_up():
+    """The critic's GAE / V-trace reads a masked token as an episode end: every turn but the
+    last would lose the reward. Refused, naming the field, until it runs over model tokens."""
+    from modules.launch.validate import validate
+    from tests.conftest import compose
+
+    with pytest.raises(Exception, match="module.critic.*module/critic=null"):
+        validate(compose(["recipe=ppo", "env=calculator", "task=calculator"]))

@@ -268,3 +268,40 @@ def test_a_turn_cut_by_the_per_turn_cap_is_answered_like_any_other():
     assert comp.finish_reason == "stop" and len(comp.turns) == 1
     comp = run(EpisodeRunner(engine, Calc(max_turn_tokens=6), TOK))
     assert comp.token_ids == ids("13*17=221\n221.") + [EOS] and comp.reward == 1.0
+
+
+def test_observations_count_for_neither_staleness_nor_carry_over():
+    """Observation tokens are in no version span: the oldest version that wrote a token is the
+    first model turn's (here 3, though the episode was planned at 2), and one version across
+    the episode is not 'carried over'."""
+    from data.rollout.batches import rollout_stats
+    from data.rollout.experience import Experience
+
+    e = Experience(0, 0, 0, [5], [7] * 9, [-0.5] * 9, 0.0, 2, {}, 0.0, 1.0, False)
+    e.version_spans, e.loss_mask = [(3, 0, 4), (3, 6, 9)], [1] * 4 + [0] * 2 + [1] * 3
+    assert e.oldest_version() == 3 and min(e.token_versions()) == 2  # the gap took the start version
+    assert rollout_stats([e])["rollout/carried_frac"] == 0.0
+    e.version_spans = [(3, 0, 4), (4, 6, 9)]
+    assert rollout_stats([e])["rollout/carried_frac"] == 1.0
+
+
+class BrokenReset(Calc):
+    async def reset(self, row):
+        raise KeyError("answer")
+
+
+def test_an_environment_that_fails_to_reset_scores_the_episode_zero():
+    comp = run(EpisodeRunner(ScriptedEngine(["221.\x01"]), BrokenReset(), TOK))
+    assert comp.reward == 0.0 and comp.token_ids == [] and "reset: KeyError" in comp.turns[0]["env_error"]
+
+
+def test_a_coroutine_tool_behind_a_partial_is_awaited():
+    import asyncio
+    import functools
+
+    async def add(a: int, b: int) -> int:
+        await asyncio.sleep(0)
+        return a + b
+
+    result = asyncio.run(ToolRunner().call(functools.partial(add, 2), 3))
+    assert result.ok and result.output == 5
