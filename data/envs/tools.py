@@ -15,7 +15,7 @@ record (``tool_errors``, ``tool_timeouts``), never a crash or a hang of the roll
 A plain function that hangs keeps its thread (Python cannot kill a thread) but not the
 rollout or the process's exit: the call times out and the thread is a daemon. A retry runs the
 tool again, so retries suit idempotent tools. A tool served over HTTP is a coroutine function
-that posts to it (not shipped yet).
+that posts to it, with request batching (``http.py``).
 """
 
 from __future__ import annotations

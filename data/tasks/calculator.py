@@ -103,11 +103,28 @@ def calculate(expression: str) -> int:
 
 class CalculatorEnv(Environment):
     """A turn ending with ``=`` calls the calculator (observation ``"{result};"``, or
-    ``"error;"`` for a malformed call); any other turn is the final answer, scored 1 or 0."""
+    ``"error;"`` for a malformed call); any other turn is the final answer, scored 1 or 0.
+    ``http`` (``{batch_size, max_wait_s, timeout_s}``, or null): the calculator runs as a
+    local HTTP server this environment starts, called with request batching
+    (``data/envs/http.py``), as a remote tool would be."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, http: dict[str, Any] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("stop", ("=",))
         super().__init__(**kwargs)
+        self.server = self.remote = None
+        self.tool: Any = calculate
+        if http is not None:
+            from data.envs.http import HttpTool, serve
+
+            self.server = serve(calculate)
+            self.remote = HttpTool(self.server.url, **dict(http))
+            self.tool = self.remote.call
+
+    def close(self) -> None:
+        super().close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
     async def step(self, state: dict, turn: str) -> Step:
         if turn.endswith("="):
@@ -115,7 +132,7 @@ class CalculatorEnv(Environment):
             valid = CALL.match(expression) is not None
             if not valid:
                 return Step(observation="error;", info={"valid_call": False, "tool_error": False})
-            result = await self.tools.call(calculate, expression)
+            result = await self.tools.call(self.tool, expression)
             text = f"{result.output};" if result.ok else "error;"
             return Step(observation=text, info={"valid_call": True, "tool_error": not result.ok})
         right = turn.strip().rsplit(";", 1)[-1] == f"{state['row']['answer']}."
