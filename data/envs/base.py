@@ -18,6 +18,7 @@ retries, a latency model); an exception there becomes an observation, never a cr
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class Step:
     info: dict[str, Any] = field(default_factory=dict)  # counted in the turn records (e.g. tool_error)
 
 
-class Environment:
+class Environment(ABC):
     """Base class of a multi-turn environment (one instance serves every episode of a run).
 
     ``stop``: strings that end the model's turn (the engine stops after the token that ends
@@ -82,9 +83,9 @@ class Environment:
         """The state of a new episode on dataset row ``row`` (passed back to every ``step``)."""
         return {"row": row}
 
+    @abstractmethod
     async def step(self, state: Any, turn: str) -> Step:
         """The answer to the model's turn ``turn`` (its decoded text)."""
-        raise NotImplementedError(f"{type(self).__name__}.step")
 
     def final_reward(self, state: Any, rewards: list[float], truncated: bool) -> float:
         """The episode's reward from its steps' rewards (their sum; an episode cut by the
