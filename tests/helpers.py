@@ -7,7 +7,8 @@ the weights would never change; end-to-end tests swap in this task
 
 from __future__ import annotations
 
-from data.envs.base import Environment, Step
+from data.envs.base import Step
+from data.tasks.calculator import CalculatorEnv
 from data.tasks.remainder import RemainderTask
 
 
@@ -100,10 +101,10 @@ class UnpicklableTask(ScriptedRewardTask):
         self.lock = threading.Lock()
 
 
-class EveryTurnAnswered(Environment):
-    """Answers every model turn with ``"<its length>;"`` and a reward of 0.25 until
-    ``max_turns`` (a random model rarely writes a stop token: its turns end at
-    ``max_turn_tokens``); multi-turn episodes on any model."""
+class EveryTurnAnswered(CalculatorEnv):
+    """The calculator environment's settings, but every model turn is answered with
+    ``"<its length>;"`` and a reward of 0.25 until ``max_turns`` (a random model rarely writes
+    a stop token: its turns end at ``max_turn_tokens``): multi-turn episodes on any model."""
 
     async def step(self, state: dict, turn: str) -> Step:
         return Step(observation=f"{len(turn)};", reward=0.25)
