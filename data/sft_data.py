@@ -20,10 +20,24 @@ from modules.launch.config_errors import check
 from modules.policy.tiny_model import build_char_tokenizer
 
 
+def segments(row: dict) -> list[tuple[str, bool]]:
+    """What SFT imitates, as (text, trained) pieces: the row's ``demo`` where the task provides
+    one (the remainder task's sloppy demonstrator), else its reference ``answer``. A multi-turn
+    demonstration is a list of turns, the model's and the environment's alternating
+    (``["47*38=", "1786;", "1786."]``): the observations are in the context, not in the loss,
+    as in RL (data/envs/episodes.py), so the warm start learns to read the tool's output, not
+    to predict it."""
+    demo = row.get("demo")
+    if demo is None:
+        return [(row["answer"], True)]
+    if isinstance(demo, str):
+        return [(demo, True)]
+    return [(text, i % 2 == 0) for i, text in enumerate(demo)]
+
+
 def target(row: dict) -> str:
-    """What SFT imitates: the row's ``demo`` where the task provides one (the remainder task's
-    sloppy demonstrator), else its reference ``answer``."""
-    return row["demo"] if row.get("demo") is not None else row["answer"]
+    """The whole demonstrated response as text (observations included)."""
+    return "".join(text for text, _ in segments(row))
 
 
 class LengthBucketSampler(Sampler[list[int]]):
@@ -89,9 +103,13 @@ class SFTDataModule(L.LightningDataModule):
         seqs, labels = [], []
         for r in rows:
             p = tok(self.task.prompt_text(r))["input_ids"]
-            a = tok(target(r))["input_ids"] + [eos]
-            seqs.append(p + a)
-            labels.append([-100] * len(p) + a)
+            ids, lab = list(p), [-100] * len(p)
+            for text, trained in segments(r):  # each piece tokenised alone, as an episode is
+                piece = tok(text, add_special_tokens=False)["input_ids"]
+                ids += piece
+                lab += piece if trained else [-100] * len(piece)
+            seqs.append(ids + [eos])
+            labels.append(lab + [eos])
         n = max(map(len, seqs))
         ids = torch.full((len(seqs), n), pad)
         lab = torch.full((len(seqs), n), -100)

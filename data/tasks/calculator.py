@@ -76,12 +76,13 @@ class CalculatorTask:
             rows.append(row)
         return Dataset.from_list(rows)
 
-    def demonstrate(self, a: int, b: int, level: int, rng: random.Random) -> str:
-        """A demonstration episode as text (the observation ``"{a*b};"`` included)."""
+    def demonstrate(self, a: int, b: int, level: int, rng: random.Random) -> list[str]:
+        """A demonstration episode as its turns, the model's and the calculator's alternating
+        (the observation ``"{a*b};"`` is trained as context only: data/sft_data.py)."""
         if rng.random() < self.demo_tool:
-            return f"{a}*{b}={a * b};{a * b}."
+            return [f"{a}*{b}=", f"{a * b};", f"{a * b}."]
         right = level == 0 or rng.random() < self.demo_right
-        return f"{a * b if right else guess(a * b, rng)}."
+        return [f"{a * b if right else guess(a * b, rng)}."]
 
     def prompt_text(self, row: dict) -> str:
         return row["prompt"]

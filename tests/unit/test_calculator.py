@@ -16,7 +16,7 @@ def test_rows_are_deterministic_and_inside_the_tokenizers_alphabet():
     assert a.to_list() == b.to_list()
     assert task.build("train", 50).to_list() != task.build("eval", 50).to_list()
     for row in a:
-        assert set(row["prompt"] + row["demo"]) <= set(ALPHABET)
+        assert set(row["prompt"] + "".join(row["demo"])) <= set(ALPHABET)
         x, y = map(int, row["prompt"][:-1].split("*"))
         assert (len(str(x)), len(str(y))) == LEVELS[row["level"]]
         assert row["answer"] == str(x * y)
@@ -25,13 +25,13 @@ def test_rows_are_deterministic_and_inside_the_tokenizers_alphabet():
 def test_demonstrations_call_the_tool_at_the_configured_rate_and_guess_otherwise():
     task = CalculatorTask(demo_tool=0.3, demo_right=0.5)
     rows = task.build("sft", 3000).to_list()
-    tool = [r for r in rows if "=" in r["demo"]]
+    tool = [r for r in rows if len(r["demo"]) == 3]  # call, observation, answer
     assert 0.26 < len(tool) / len(rows) < 0.34
-    assert all(r["demo"] == f"{r['prompt'][:-1]}={r['answer']};{r['answer']}." for r in tool)
-    direct = [r for r in rows if "=" not in r["demo"] and r["level"] > 0]
-    right = sum(task.reward(r, r["demo"]) for r in direct) / len(direct)
+    assert all(r["demo"] == [f"{r['prompt'][:-1]}=", f"{r['answer']};", f"{r['answer']}."] for r in tool)
+    direct = [r for r in rows if len(r["demo"]) == 1 and r["level"] > 0]
+    right = sum(task.reward(r, r["demo"][0]) for r in direct) / len(direct)
     assert 0.45 < right < 0.55  # beyond one digit, answering in one's head is a coin flip
-    assert all(task.reward(r, r["demo"]) == 1.0 for r in tool)
+    assert all(task.reward(r, "".join(r["demo"])) == 1.0 for r in tool)
 
 
 def test_the_environment_calls_the_calculator_and_scores_the_final_answer():
@@ -79,3 +79,23 @@ def test_a_critic_with_a_multi_turn_env_is_refused_at_start_up():
 
     with pytest.raises(Exception, match="module.critic.*module/critic=null"):
         validate(compose(["recipe=ppo", "env=calculator", "task=calculator"]))
+
+
+def test_the_warm_start_reads_the_observation_but_is_not_trained_to_predict_it():
+    """SFT on a tool demonstration: the call and the answer are in the loss, the calculator's
+    output is context only (as in RL), and the tokens are those an episode would hold."""
+    from data.sft_data import SFTDataModule
+
+    task = CalculatorTask(demo_tool=1.0)
+    data = SFTDataModule(task, train_size=4, eval_size=1, batch_size=4)
+    data.setup()
+    rows = data.train_rows.to_list()
+    batch = data._collate_train(rows)
+    tok = data.tokenizer
+    for i, row in enumerate(rows):
+        n = int(batch["attention_mask"][i].sum())
+        ids, labels = batch["input_ids"][i, :n].tolist(), batch["labels"][i, :n].tolist()
+        call, observation, answer = row["demo"]
+        assert tok.decode(ids) == row["prompt"] + call + observation + answer + tok.eos_token
+        trained = tok.decode([t for t, lab in zip(ids, labels) if lab != -100])
+        assert trained == call + answer + tok.eos_token
