@@ -33,7 +33,27 @@ class Step:
     observation: str = ""  # appended to the context (tokenised once), not trained on
     reward: float = 0.0  # summed over the episode's steps
     done: bool = False
-    info: dict[str, Any] = field(default_factory=dict)  # counted in the turn records (e.g. tool_error)
+    # in the turn records; two keys are counted (turn_stats): "valid_call" (the turn was a tool
+    # call, well formed or not) and "tool_error" (a well-formed call the tool failed)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def turn_stats(episodes: list[list[dict]]) -> dict[str, float]:
+    """Per-episode turn statistics from the turn records of some episodes: turns and tool calls
+    per episode, the share of calls that were well formed (``valid_call_rate``) and of
+    well-formed calls the tool failed (``tool_error_rate``); a rate only where it has calls."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    calls = [t for turns in episodes for t in turns if "valid_call" in t or "tool_error" in t]
+    out = {"turns": sum(map(len, episodes)) / n, "tool_calls": len(calls) / n}
+    attempts = [bool(t["valid_call"]) for t in calls if "valid_call" in t]
+    if attempts:
+        out["valid_call_rate"] = sum(attempts) / len(attempts)
+    ran = [bool(t["tool_error"]) for t in calls if "tool_error" in t and t.get("valid_call", True)]
+    if ran:
+        out["tool_error_rate"] = sum(ran) / len(ran)
+    return out
 
 
 class Environment(ABC):

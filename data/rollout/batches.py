@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from data.envs.base import turn_stats
 from data.rollout.experience import Experience, collate
 
 
@@ -73,12 +74,11 @@ def episode_stats(exps: list[Experience]) -> dict[str, float]:
         return {}
     n = len(turns)
     masks = [e.loss_mask or [] for e in exps if "turns" in e.extras]
-    called = [t for ts in turns for t in ts if "tool_error" in t]
-    out = {
-        "env/turns_mean": sum(map(len, turns)) / n,
+    stats = turn_stats(turns)
+    names = {"turns": "env/turns_mean", "tool_calls": "env/tool_calls_mean"}
+    names |= {"valid_call_rate": "env/valid_call_frac", "tool_error_rate": "env/tool_error_frac"}
+    return {
+        **{names[k]: v for k, v in stats.items()},
         "env/model_tokens_mean": sum(sum(m) for m in masks) / n,
         "env/observation_tokens_mean": sum(len(m) - sum(m) for m in masks) / n,
     }
-    if called:
-        out["env/tool_error_frac"] = sum(bool(t["tool_error"]) for t in called) / len(called)
-    return out

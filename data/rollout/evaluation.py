@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from data.envs.base import turn_stats
 from modules.engine.types import Engine, SamplingConfig
 
 
@@ -46,7 +47,7 @@ class HeldOutEvaluator:
         greedy = self._pass(SamplingConfig(temperature=0.0, max_tokens=self.max_tokens), 1)
         out = {"eval/reward_mean": greedy["mean"], "eval/response_len_mean": greedy["len"]}
         out["eval/exact_mean"] = greedy["exact"]
-        out.update({f"eval/{k}": greedy[k] for k in ("turns", "tool_error_rate") if k in greedy})
+        out.update({f"eval/{k}": v for k, v in greedy["episodes"].items()})
         out.update({f"eval/reward_level{lv}": r for lv, r in greedy["levels"].items()})
         out.update({f"eval/exact_level{lv}": r for lv, r in greedy["exact_levels"].items()})
         if self.samples:
@@ -58,9 +59,7 @@ class HeldOutEvaluator:
             out["eval/sampled_reward_se_prompts"] = sampled["se_prompts"]
             out["eval/sampled_exact_mean"] = sampled["exact"]
             out["eval/sampled_response_len_mean"] = sampled["len"]
-            out.update(
-                {f"eval/sampled_{k}": sampled[k] for k in ("turns", "tool_error_rate") if k in sampled}
-            )
+            out.update({f"eval/sampled_{k}": v for k, v in sampled["episodes"].items()})
             out.update({f"eval/sampled_reward_level{lv}": r for lv, r in sampled["levels"].items()})
             out.update({f"eval/sampled_exact_level{lv}": r for lv, r in sampled["exact_levels"].items()})
         return out
@@ -78,7 +77,7 @@ class HeldOutEvaluator:
                 futs[fut] = (i, row)
         rewards: dict[int, list[float]] = {}
         per_prompt: dict[int, list[float]] = {}
-        lengths, turns, tool_errors = [], [], []
+        lengths, episodes = [], []
         pending = set(futs)
         while pending:
             done = self.engine.wait_any(pending)
@@ -87,21 +86,15 @@ class HeldOutEvaluator:
                 comp, (i, row) = f.result(), futs[f]
                 if comp.reward is not None:  # an episode, scored by its environment
                     r = float(comp.reward)
-                    turns.append(len(comp.turns or []))
-                    tool_errors += [bool(t.get("tool_error")) for t in comp.turns or [] if "tool_error" in t]
+                    episodes.append(list(comp.turns or []))
                 else:
                     r = self.score(row, self.tokenizer.decode(comp.token_ids, skip_special_tokens=True))
                 rewards.setdefault(row.get("level", 0), []).append(r)
                 per_prompt.setdefault(i, []).append(r)
                 lengths.append(len(comp.token_ids))
         allr = [r for rs in rewards.values() for r in rs]
-        episode = {}
-        if turns:
-            episode["turns"] = sum(turns) / len(turns)
-        if tool_errors:
-            episode["tool_error_rate"] = sum(tool_errors) / len(tool_errors)
         return {
-            **episode,
+            "episodes": turn_stats(episodes),  # turns, tool calls, their validity and errors
             "mean": sum(allr) / len(allr),
             "se": sampling_error(list(per_prompt.values())),
             "se_prompts": standard_error([sum(rs) / len(rs) for rs in per_prompt.values()]),

@@ -1,19 +1,30 @@
 """Multi-turn task: multiplication with a calculator tool the model must learn to call.
 
-Prompt ``"47*38?"``. The model may answer at once (``"1786."`` then end-of-sequence) or call the
-calculator: a turn that ends with ``=`` is a call (``"47*38="``), the environment answers with
-the result and ``;`` (``"1786;"``, an observation: in the context, not trained on), and the
-model answers in its next turn (``"1786."``). Reward 1.0 for the right product, else 0.
+Prompt ``"47*38?"``. The model answers at once (``"a1786."``, then end-of-sequence) or calls
+the calculator first: ``"c="`` calls it on the question (``"c47*38="`` on an expression of its
+own; a call ends at the stop token ``=``), the environment answers with the result and ``;``
+(``"1786;"``, an observation: in the context, out of the loss), and the model answers in its
+next turn, either with the number (``"a1786."``) or with ``"a."``, which submits the result on
+the calculator's display. Reward 1.0 for the right product, else 0.
 
-Why it teaches tool use, not sharpening: a 0.8M-parameter model cannot multiply two-digit
-numbers in its head, so its direct answers are mostly wrong beyond level 0, and the warm start
-(``demo_tool``: the share of SFT demonstrations that use the tool, 0.3 by default) answers
-directly most of the time, so its greedy answer is a guess. Sampled episodes that call the tool
-are right, and RL has to make calling it the model's first choice: greedy reward rises only if
-it does. Levels: 0 one digit x one digit (learnable by heart), 1 two x one, 2 two x two.
+Why the call takes the question and ``"a."`` the display: a 0.8M-parameter model does not
+learn to copy numbers across its context in a warm start of minutes (measured after 2,400
+SFT steps: two-digit operands copied into a call 0 % of the time, a 4-digit result copied
+back 3-15 %); it recomputes them in its head instead. So the skill RL can teach here is the
+decision to use the tool, as with a search tool bound to the task. Why the ``a`` / ``c``
+prefixes: the first token is the choice between the two strategies; without them a direct
+answer spreads its first token over nine digits and greedy decoding would pick the tool
+whenever no digit beats the tool's share, so the warm start's greedy answer would use it.
+
+Why it teaches tool use, not sharpening: the model cannot multiply two-digit numbers in its
+head, so its direct answers are mostly wrong beyond level 0, and the warm start (``demo_tool``:
+the share of SFT demonstrations that use the tool, 0.3 by default) answers directly most of
+the time, so its greedy answer is a guess. Sampled episodes that call the tool are right, and
+RL has to make calling it the model's first choice: greedy reward rises only if it does.
+Levels: 0 one digit x one digit (learnable by heart), 1 two x one, 2 two x two.
 
     python -m data.tasks.calculator      # a few rows and demonstrations
-    python train.py recipe=agent_calculator
+    python train.py recipe=sft_calculator && python train.py recipe=agent_calculator
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ from modules.launch.config_errors import check
 
 # (digits of a, digits of b) per level
 LEVELS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 2))
-CALL = re.compile(r"^(\d{1,4})([*+-])(\d{1,4})$")
+CALL = re.compile(r"^(\d{1,4})([*+-])(\d{1,4})$")  # what the calculator takes
+ANSWER = re.compile(r"^a(\d*)\.$")
 
 
 def number(rng: random.Random, digits: int) -> int:
@@ -80,17 +92,27 @@ class CalculatorTask:
         """A demonstration episode as its turns, the model's and the calculator's alternating
         (the observation ``"{a*b};"`` is trained as context only: data/sft_data.py)."""
         if rng.random() < self.demo_tool:
-            return [f"{a}*{b}=", f"{a * b};", f"{a * b}."]
+            return ["c=", f"{a * b};", "a."]
         right = level == 0 or rng.random() < self.demo_right
-        return [f"{a * b if right else guess(a * b, rng)}."]
+        return [f"a{a * b if right else guess(a * b, rng)}."]
 
     def prompt_text(self, row: dict) -> str:
         return row["prompt"]
 
     def reward(self, row: dict, response: str) -> float:
-        """The final answer (after the last observation, if any) is the product."""
-        final = response.strip().rsplit(";", 1)[-1]
-        return float(final == f"{row['answer']}.")
+        """The final answer (after the last observation, if any) is the product; ``"a."``
+        answers with the last result shown (the text between the last ``=`` and ``;``)."""
+        shown = response.rsplit(";", 1)[0].rsplit("=", 1)[-1] if ";" in response else None
+        return float(answer(response.strip().rsplit(";", 1)[-1], shown) == row["answer"])
+
+
+def answer(turn: str, shown: str | None) -> str | None:
+    """The number a final turn answers: ``"a1786."`` -> ``"1786"``; ``"a."`` -> the calculator's
+    last result (``shown``); anything else is no answer."""
+    match = ANSWER.match(turn.strip())
+    if match is None:
+        return None
+    return match[1] or shown
 
 
 def calculate(expression: str) -> int:
@@ -103,8 +125,9 @@ def calculate(expression: str) -> int:
 
 
 class CalculatorEnv(Environment):
-    """A turn ending with ``=`` calls the calculator (observation ``"{result};"``, or
-    ``"error;"`` for a malformed call); any other turn is the final answer, scored 1 or 0.
+    """A turn ``c=`` calls the calculator on the question, ``c<expression>=`` on that
+    expression (observation ``"{result};"``, or ``"error;"`` for a malformed call); any other
+    turn is the final answer, scored 1 or 0 (``"a."`` answers with the result shown).
     ``http`` (``{batch_size, max_wait_s, timeout_s}``, or null): the calculator runs as a
     local HTTP server this environment starts, called with request batching
     (``data/envs/http.py``), as a remote tool would be."""
@@ -128,15 +151,17 @@ class CalculatorEnv(Environment):
             self.server = None
 
     async def step(self, state: dict, turn: str) -> Step:
+        turn = turn.strip()
         if turn.endswith("="):
-            expression = turn.rsplit(";", 1)[-1][:-1]
-            valid = CALL.match(expression) is not None
-            if not valid:
+            expression = turn[1:-1] if turn.startswith("c") else "?"
+            expression = expression or state["row"]["prompt"].rstrip("?")  # "c=": the question
+            if CALL.match(expression) is None:
                 return Step(observation="error;", info={"valid_call": False, "tool_error": False})
             result = await self.tools.call(self.tool, expression)
+            state["shown"] = str(result.output) if result.ok else None
             text = f"{result.output};" if result.ok else "error;"
             return Step(observation=text, info={"valid_call": True, "tool_error": not result.ok})
-        right = turn.strip().rsplit(";", 1)[-1] == f"{state['row']['answer']}."
+        right = answer(turn, state.get("shown")) == state["row"]["answer"]
         return Step(reward=float(right), done=True)
 
 

@@ -27,8 +27,9 @@ def test_demonstrations_call_the_tool_at_the_configured_rate_and_guess_otherwise
     rows = task.build("sft", 3000).to_list()
     tool = [r for r in rows if len(r["demo"]) == 3]  # call, observation, answer
     assert 0.26 < len(tool) / len(rows) < 0.34
-    assert all(r["demo"] == [f"{r['prompt'][:-1]}=", f"{r['answer']};", f"{r['answer']}."] for r in tool)
+    assert all(r["demo"] == ["c=", f"{r['answer']};", "a."] for r in tool)
     direct = [r for r in rows if len(r["demo"]) == 1 and r["level"] > 0]
+    assert all(r["demo"][0].startswith("a") for r in direct)
     right = sum(task.reward(r, r["demo"][0]) for r in direct) / len(direct)
     assert 0.45 < right < 0.55  # beyond one digit, answering in one's head is a coin flip
     assert all(task.reward(r, "".join(r["demo"])) == 1.0 for r in tool)
@@ -42,18 +43,31 @@ def test_the_environment_calls_the_calculator_and_scores_the_final_answer():
         state = await env.reset(row)
         return [await env.step(state, t) for t in turns]
 
-    call, answer = asyncio.run(episode(["47*38=", "47*38=1786;1786."]))
+    call, answer = asyncio.run(episode(["c47*38=", "a1786."]))
     assert (
         call.observation == "1786;"
         and not call.done
         and call.info == {"valid_call": True, "tool_error": False}
     )
     assert answer.done and answer.reward == 1.0
-    (bad,) = asyncio.run(episode(["47*=3="]))
-    assert bad.observation == "error;" and bad.info["valid_call"] is False
-    (wrong,) = asyncio.run(episode(["1780."]))
-    assert wrong.done and wrong.reward == 0.0
+    _, submitted = asyncio.run(episode(["c47*38=", "a."]))  # "a.": the result shown
+    assert submitted.done and submitted.reward == 1.0
+    question, done = asyncio.run(episode(["c=", "a."]))  # "c=": on the question
+    assert question.observation == "1786;" and question.info["valid_call"] and done.reward == 1.0
+    _, other = asyncio.run(episode(["c47*39=", "a."]))  # a valid call of the wrong product
+    assert other.reward == 0.0
+    for malformed in ("c47*=3=", "47*38=", "c47*38*2=", "="):
+        (bad,) = asyncio.run(episode([malformed]))
+        assert bad.observation == "error;" and bad.info["valid_call"] is False, malformed
+    _, after_error = asyncio.run(episode(["c47*=", "a."]))  # nothing shown: no answer
+    assert after_error.reward == 0.0
+    for final in ("a1780.", "1786.", "a.", "a1786"):
+        (wrong,) = asyncio.run(episode([final]))
+        assert wrong.done and wrong.reward == 0.0, final
     assert env.stop == ("=",)
+    task = CalculatorTask()  # the one-turn reward reads the same text the same way
+    assert task.reward(row, "c47*38=1786;a.") == 1.0 and task.reward(row, "a1786.") == 1.0
+    assert task.reward(row, "c47*38=error;a.") == 0.0 and task.reward(row, "a.") == 0.0
     with pytest.raises(ValueError, match="not a calculation"):
         calculate("4**2")
 

@@ -305,3 +305,24 @@ def test_a_coroutine_tool_behind_a_partial_is_awaited():
 
     result = asyncio.run(ToolRunner().call(functools.partial(add, 2), 3))
     assert result.ok and result.output == 5
+
+
+def test_turn_stats_count_calls_their_validity_and_tool_errors():
+    """Turns and tool calls per episode; validity over call attempts; tool errors over the
+    well-formed calls only (a malformed call never reached the tool)."""
+    from data.envs.base import turn_stats
+
+    episodes = [
+        [{"valid_call": True, "tool_error": False}, {"reward": 1.0}],  # call, answer
+        [{"valid_call": False, "tool_error": False}, {"valid_call": True, "tool_error": True}, {}],
+        [{"reward": 0.0}],  # answered at once
+    ]
+    stats = turn_stats(episodes)
+    assert stats == {
+        "turns": 6 / 3,
+        "tool_calls": 3 / 3,
+        "valid_call_rate": 2 / 3,
+        "tool_error_rate": 1 / 2,
+    }
+    assert turn_stats([[{}], [{}, {}]]) == {"turns": 1.5, "tool_calls": 0.0}  # no rates without calls
+    assert turn_stats([]) == {}

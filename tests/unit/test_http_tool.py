@@ -71,7 +71,7 @@ def test_the_calculator_environment_over_http():
 
     async def episode():
         state = await env.reset(row)
-        return await env.step(state, "47*38=")
+        return await env.step(state, "c47*38=")
 
     try:
         step = asyncio.run(episode())
