@@ -205,7 +205,8 @@ def run_dir_name(spec: str) -> str:
     """A recipe spec as one directory name Hydra accepts in ``hydra.run.dir`` (no ``=`` / ``,``;
     no ``/``: a config-group override would otherwise nest the run one level deeper, and the
     shared initial evaluation, kept two levels above a run, would land inside the spec)."""
-    return spec.replace(":", "+").replace("=", "-").replace(",", "+").replace("/", ".")
+    spec = spec.replace(":", "+").replace("=", "-").replace(",", "+").replace("/", ".")
+    return spec.replace("~", "no.")  # a deleted key ("~rollout.max_staleness")
 
 
 def split_spec(spec: str) -> tuple[str, list[str]]:

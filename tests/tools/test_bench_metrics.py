@@ -220,3 +220,5 @@ def test_run_dir_names_are_safe_in_hydra_overrides():
 
     name = run_dir_name("async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis")
     assert "=" not in name and "," not in name and "/" not in name and name.startswith("async_grpo+")
+    deleted = run_dir_name("agent_calculator:rollout=sync,~rollout.max_staleness")
+    assert "~" not in deleted and deleted == "agent_calculator+rollout-sync+no.rollout.max_staleness"

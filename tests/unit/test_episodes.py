@@ -326,3 +326,33 @@ def test_turn_stats_count_calls_their_validity_and_tool_errors():
     }
     assert turn_stats([[{}], [{}, {}]]) == {"turns": 1.5, "tool_calls": 0.0}  # no rates without calls
     assert turn_stats([]) == {}
+
+
+def test_the_documented_environment_example_runs():
+    """docs/envs.md's "Writing an environment" class, as printed, plays an episode."""
+    import asyncio
+    import re
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "envs.md").read_text()
+    code = re.search(r"## Writing an environment.*?```python\n(.*?)```", text, re.S)[1]
+    assert len(code.splitlines()) < 40
+    namespace: dict = {}
+    exec(compile(code, "docs/envs.md", "exec"), namespace)
+    env = namespace["Guess"](max_turns=4, stop=(";",))
+
+    async def play() -> list:
+        state = await env.reset({"id": 3})
+        low, high, steps = 1, 9, []
+        while True:
+            guess = (low + high) // 2
+            step = await env.step(state, f"{guess};")
+            steps.append(step)
+            if step.done:
+                return steps
+            low, high = (guess + 1, high) if step.observation == "higher;" else (low, guess - 1)
+
+    steps = asyncio.run(play())
+    assert steps[-1].reward == 1.0 and len(steps) <= 4
+    assert asyncio.run(env.step({"secret": 5}, "x;")).observation == "a digit;"
