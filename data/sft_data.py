@@ -24,9 +24,9 @@ def segments(row: dict) -> list[tuple[str, bool]]:
     """What SFT imitates, as (text, trained) pieces: the row's ``demo`` where the task provides
     one (the remainder task's sloppy demonstrator), else its reference ``answer``. A multi-turn
     demonstration is a list of turns, the model's and the environment's alternating
-    (``["47*38=", "1786;", "1786."]``): the observations are in the context, not in the loss,
-    as in RL (data/envs/episodes.py), so the warm start learns to read the tool's output, not
-    to predict it."""
+    (the calculator's ``["c=", "1786;", "a."]``): the observations are in the context, not in
+    the loss, as in RL (data/envs/episodes.py), so the warm start is not trained to predict
+    the tool's output."""
     demo = row.get("demo")
     if demo is None:
         return [(row["answer"], True)]

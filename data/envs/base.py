@@ -109,7 +109,8 @@ class Environment(ABC):
 
     def final_reward(self, state: Any, rewards: list[float], truncated: bool) -> float:
         """The episode's reward from its steps' rewards (their sum; an episode cut by the
-        token or turn budget keeps what it earned)."""
+        token budget, ``truncated``, or ended by ``max_turns``, not truncated, keeps what it
+        earned)."""
         return float(sum(rewards))
 
     def close(self) -> None:

@@ -172,12 +172,15 @@ class EpisodeRunner:
                 "versions": sorted(state.turn_versions),  # across a resume, too
                 "stop": bool(ended_by_stop),
             }
+            t_step = time.monotonic()
             step = await self._step(state, text)  # every turn is answered, the last one scored
+            end += time.monotonic() - t_step  # the episode lasts until its environment answers
             room = budget - len(prefix) - len(tokens)
-            if eos or step.done or room <= 0:
+            last = len(state.turns) + 1 >= env.max_turns  # no model turn would read an observation
+            if eos or step.done or room <= 0 or last:
                 state.turns.append({**record, **self._record(step), "observation": [0, 0]})
                 cut = comp.finish_reason == "length" and room <= 0  # the budget cut the model's turn
-                finish = "length" if cut or not (eos or step.done) else "stop"
+                finish = "length" if cut or not (eos or step.done or last) else "stop"
                 break
             obs = self._encode(step.observation)[:room]
             at = len(prefix) + len(tokens)
@@ -187,9 +190,6 @@ class EpisodeRunner:
             state.turns.append({**record, **self._record(step), "observation": [at, at + len(obs)]})
             state.turn_start = len(prefix) + len(tokens)
             state.turn_versions = set()
-            if len(state.turns) >= env.max_turns:
-                finish = "stop"
-                break
         truncated = finish == "length"
         reward = None
         if finish != "abort":

@@ -100,10 +100,17 @@ class CalculatorTask:
         return row["prompt"]
 
     def reward(self, row: dict, response: str) -> float:
-        """The final answer (after the last observation, if any) is the product; ``"a."``
-        answers with the last result shown (the text between the last ``=`` and ``;``)."""
-        shown = response.rsplit(";", 1)[0].rsplit("=", 1)[-1] if ";" in response else None
-        return float(answer(response.strip().rsplit(";", 1)[-1], shown) == row["answer"])
+        """The episode's text scored as the environment scores it: every ``=`` ends a call, the
+        calculator's observation follows up to ``;`` (``"error"`` shows nothing), and the text
+        after the last observation is the final answer (``"a."``: the result shown)."""
+        shown, rest = None, response.strip()
+        while "=" in rest:
+            _, _, rest = rest.partition("=")
+            observation, sep, rest = rest.partition(";")
+            if not sep:
+                return 0.0  # cut inside an observation: no final answer
+            shown = None if observation == "error" else observation
+        return float(answer(rest, shown) == row["answer"])
 
 
 def answer(turn: str, shown: str | None) -> str | None:
@@ -156,6 +163,7 @@ class CalculatorEnv(Environment):
             expression = turn[1:-1] if turn.startswith("c") else "?"
             expression = expression or state["row"]["prompt"].rstrip("?")  # "c=": the question
             if CALL.match(expression) is None:
+                state["shown"] = None  # the display shows the error
                 return Step(observation="error;", info={"valid_call": False, "tool_error": False})
             result = await self.tools.call(self.tool, expression)
             state["shown"] = str(result.output) if result.ok else None

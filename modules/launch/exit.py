@@ -17,6 +17,7 @@ The engine core does the same at its own exit (``modules/engine/worker_extension
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -43,13 +44,17 @@ def exit_when_done(main: Callable[[], Any]) -> NoReturn:
         code = exit_code(e.code)
     if os.environ.get("ASYNCRL_FULL_TEARDOWN", "") not in ("", "0"):
         sys.exit(code)
-    for thread in threading.enumerate():  # the interpreter waits for these too
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # what the interpreter's exit does first: threading's exit hooks (concurrent.futures wakes
+    # its idle pool threads), then it waits for the threads that are not daemons
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()  # logging.shutdown, loggers, multiprocessing, weakref finalizers
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # closed or a broken pipe: nothing more can be written
             pass
+    try:  # C and C++ output buffered in libc (e.g. NCCL_DEBUG into a redirected stdout)
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)

@@ -584,7 +584,7 @@ def test_multirun_of_three_jobs_leaks_no_threads_processes_or_memory(tmp_path, m
     the engine is gone (0 children), the thread count is back to where it was, and the
     resident memory does not keep growing from job to job (three jobs: the first pays one-off
     imports, the second and third must agree)."""
-    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2", DEFAULT_EXECUTOR)
+    multirun(tmp_path, models, "trainer.max_steps=2", "seed=0,1,2")
     footprints = []
     for job in range(3):
         line = next(
@@ -612,11 +612,17 @@ def test_multirun_with_ddp_trains_each_job_once_on_two_ranks(ddp_sweep):
             assert len(lines) == DDP_STEPS, (job, rank, lines)
 
 
-def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_path, models):
+EPISODES = ["env=calculator", "env._target_=tests.helpers.EveryTurnAnswered", "env.max_turn_tokens=6"]
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["one_turn", "episodes"])
+def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_path, models, episodes):
     """Streaming with admission control (nothing dropped): kill -9 after a checkpoint, resume.
     Every prompt the killed run had drawn before the checkpoint is either trained before it
     or re-queued in it (its group was generating or buffered), the re-queued ones are trained
-    by the resumed run, and no prompt trained before the checkpoint is trained again."""
+    by the resumed run, and no prompt trained before the checkpoint is trained again. With
+    ``episodes``: three-turn episodes, some mid-flight (between turns, or waiting on their
+    environment) when the checkpoint is taken; they are restarted from their prompts."""
     import random
 
     common = [
@@ -627,6 +633,7 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
         "task._target_=tests.helpers.DigitShareTask",
         "callbacks.checkpoint.every_n_train_steps=2",
         "data.eval_size=0",
+        *(EPISODES if episodes else []),
     ]
     first = tmp_path / "first"
     ckpt = kill_9_after_a_checkpoint(first, common)
@@ -647,6 +654,10 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
     extra = 2 + len(requeued) // 4
     train(second, *common, f"ckpt_path={ckpt}", f"trainer.max_steps={step + extra}")
     resumed = [p for b in trained_prompts(second) for p in b["prompt_ids"]]
+    if episodes:  # the resumed run trained episodes (the first one's, too)
+        for run in (first, second):
+            lines = (run / "experiences.jsonl").read_text().splitlines()
+            assert max(len(json.loads(x)["turns"]) for x in lines) == 3
     assert not set(resumed) & set(trained_before)  # 0 trained twice
     assert requeued <= set(resumed)  # the re-queued prompts were trained after the resume
     assert len(resumed) == len(set(resumed))

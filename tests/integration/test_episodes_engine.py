@@ -8,6 +8,9 @@ nothing decoded and re-encoded). Observation tokens are masked and carry no beha
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -16,10 +19,11 @@ from data.envs.episodes import EpisodeRunner
 from data.rollout.controller import RolloutContext
 from data.rollout.experience import collate
 from data.rollout.prompts import PromptStream
+from data.rollout.requests import Pending
 from data.rollout.sync import SyncRollout
 from modules.algo.advantages import GroupAdvantage
 from modules.engine import SamplingConfig
-from modules.policy.hf_policy import load_policy, token_logprobs
+from modules.policy.hf_policy import load_policy, named_weights, token_logprobs
 
 pytestmark = pytest.mark.engine
 
@@ -85,3 +89,121 @@ def test_a_stop_token_ends_the_turn_and_stays_in_the_output(engine, models):
         timeout=60,
     )
     assert comp.token_ids == [first] and comp.finish_reason == "stop"
+
+
+class SlowToolOnce(Environment):
+    """Turn 1 calls a tool that takes ``tool_s`` seconds (``started`` is set when it begins);
+    turn 2 ends the episode with reward 1."""
+
+    def __init__(self, started, tool_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.started, self.tool_s = started, tool_s
+
+    async def step(self, state, turn: str) -> Step:
+        state["turns"] = state.get("turns", 0) + 1
+        if state["turns"] > 1:
+            return Step(reward=1.0, done=True)
+
+        def tool() -> str:
+            self.started.set()
+            time.sleep(self.tool_s)
+            return "ok"
+
+        result = await self.tools.call(tool)
+        return Step(observation=f"{result.output};", info={"valid_call": True, "tool_error": not result.ok})
+
+
+def known_and_perturbed(engine, models):
+    """The engine loaded with the tied model (version v0), that model, and a perturbed copy."""
+    old, tok = load_policy(models["tied"])
+    old.eval()
+    engine.update_weights(named_weights(old), engine.version + 1)
+    new, _ = load_policy(models["tied"])
+    new.eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return old, new, tok, engine.version
+
+
+def logprobs_of(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+    return lp[0, len(prompt) - 1 :]
+
+
+def test_a_weight_sync_during_a_tool_call_does_not_wait_and_the_next_turn_uses_the_new_weights(
+    engine, models
+):
+    """Streaming (in-flight requests kept): the sync lands while the episode waits on a 2 s
+    tool. It completes without waiting for the tool; turn 1 was written by version v0, turn 2
+    by v0 + 1, and each turn's behaviour logprobs are those of the weights that wrote it."""
+    old, new, tok, v0 = known_and_perturbed(engine, models)
+    started = threading.Event()
+    env = SlowToolOnce(started, 2.0, max_turns=2, max_turn_tokens=6, stop=("=",))
+    runner = EpisodeRunner(engine, env, tok)
+    prompt = tok("12*34?")["input_ids"]
+    try:
+        fut = runner.submit(prompt, {"id": 0}, SamplingConfig(max_tokens=30, ignore_eos=True), 3, "tool-sync")
+        assert started.wait(timeout=60)
+        t0 = time.monotonic()
+        engine.update_weights(named_weights(new), v0 + 1, inflight="keep")
+        sync_s = time.monotonic() - t0
+        assert not fut.done()  # the tool is still running ...
+        assert sync_s < 1.5, sync_s  # ... and the sync did not wait for it
+        comp = fut.result(timeout=60)
+    finally:
+        runner.close()
+        engine.update_weights(named_weights(old), engine.version + 1)  # the session engine's weights
+    first, second = comp.turns
+    assert first["versions"] == [v0] and second["versions"] == [v0 + 1] and comp.reward == 1.0
+    got = torch.tensor(comp.logprobs)
+    lp_old, lp_new = logprobs_of(old, prompt, comp.token_ids), logprobs_of(new, prompt, comp.token_ids)
+    (a, b), (c, d) = first["span"], second["span"]
+    assert (got[a:b] - lp_old[a:b]).abs().max() < 1e-4
+    assert (got[c:d] - lp_new[c:d]).abs().max() < 1e-4
+    assert (got[c:d] - lp_old[c:d]).abs().max() > 1e-3  # the two policies differ there
+
+
+def test_partial_rollout_aborts_a_turn_at_a_sync_and_resumes_it_on_the_new_weights(engine, models):
+    """Partial rollout (in-flight requests aborted): two 60-token turns with an observation
+    between; the sync lands inside the second turn. The episode comes back unfinished, is
+    resubmitted from its prefix and finishes: turn 1 holds v0, turn 2 both versions, and every
+    model token's behaviour logprob is that of the weights that wrote it."""
+    old, new, tok, v0 = known_and_perturbed(engine, models)
+    runner = EpisodeRunner(engine, Answers(max_turns=2, max_turn_tokens=60), tok)
+    sampling = SamplingConfig(max_tokens=200, ignore_eos=True)
+    ctl = SyncRollout(1, 1, sampling)
+    ctl.bind(RolloutContext(engine, Task(), tok, PromptStream([]), GroupAdvantage(), episodes=runner))
+    prompt = tok("47*38?")["input_ids"]
+    try:
+        whole_s = float("inf")  # the whole episode, timed, so that the sync lands in turn 2
+        for seed in (1, 2):
+            t0 = time.monotonic()
+            runner.submit(prompt, {"id": 0}, sampling, seed, f"timing-{seed}").result(timeout=120)
+            whole_s = min(whole_s, time.monotonic() - t0)
+        p = Pending({"id": 0}, 0, 0, 11, v0, prompt_ids=prompt)
+        fut = ctl.submit(p)
+        time.sleep(whole_s * 0.75)
+        engine.update_weights(named_weights(new), v0 + 1, inflight="abort")
+        comp = fut.result(timeout=120)
+        assert comp.finish_reason == "abort" and ctl.is_unfinished(comp, p)
+        nxt = ctl.continuation(comp, p)
+        e = ctl.to_experience(ctl.submit(nxt).result(timeout=120), nxt)
+    finally:
+        runner.close()
+        engine.update_weights(named_weights(old), engine.version + 1)
+    first, second = e.extras["turns"]
+    split = len(nxt.prefix_ids)
+    assert first["versions"] == [v0] and second["versions"] == [v0, v0 + 1], (first, second, split)
+    assert second["span"][0] < split < second["span"][1] == len(e.response_ids)  # nothing after it
+    assert sum(e.loss_mask) == 120 and e.token_versions()[split] == v0 + 1
+    got = torch.tensor(e.behavior_logprobs)
+    lp_old, lp_new = logprobs_of(old, prompt, e.response_ids), logprobs_of(new, prompt, e.response_ids)
+    model = torch.tensor(e.loss_mask) > 0
+    before, after = model.clone(), model.clone()
+    before[split:], after[:split] = False, False
+    assert (got[before] - lp_old[before]).abs().max() < 1e-4
+    assert (got[after] - lp_new[after]).abs().max() < 1e-4

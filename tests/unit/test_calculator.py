@@ -68,6 +68,21 @@ def test_the_environment_calls_the_calculator_and_scores_the_final_answer():
     task = CalculatorTask()  # the one-turn reward reads the same text the same way
     assert task.reward(row, "c47*38=1786;a.") == 1.0 and task.reward(row, "a1786.") == 1.0
     assert task.reward(row, "c47*38=error;a.") == 0.0 and task.reward(row, "a.") == 0.0
+    # every episode text scores the same on both paths (the text path: an aborted episode, SFT)
+    episodes = [
+        ["c=", "a."],
+        ["c=", "cX=", "a."],  # a malformed call after a good one: the display shows the error
+        ["c=", "a1786."],
+        ["5;a1786."],  # the model's own ";" is not an observation
+        ["a1786."],
+        ["c47*38=", "a."],
+        ["c47*39=", "a."],
+        ["c=", "c47*=", "a."],
+    ]
+    for turns in episodes:
+        steps = asyncio.run(episode(turns))
+        text = "".join(t + s.observation for t, s in zip(turns, steps))
+        assert task.reward(row, text) == steps[-1].reward, (turns, text)
     with pytest.raises(ValueError, match="not a calculation"):
         calculate("4**2")
 

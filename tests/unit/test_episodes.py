@@ -195,6 +195,8 @@ def test_max_turns_and_the_token_budget_end_an_episode():
     engine = ScriptedEngine(["1*1=", "2*2=", "3*3=", "4*4="])
     comp = run(EpisodeRunner(engine, Calc(max_turns=2), TOK))
     assert len(comp.turns) == 2 and comp.finish_reason == "stop" and comp.reward == 0.0
+    # the last turn's call is answered (its step runs) but no observation follows it
+    assert comp.token_ids == ids("1*1=1\n2*2=") and comp.turns[-1]["observation"] == [0, 0]
     comp = run(EpisodeRunner(engine, Calc(max_total_tokens=7), TOK))
     assert len(comp.token_ids) == 7 and comp.finish_reason == "length"
     assert comp.loss_mask == [1] * 4 + [0] * 2 + [1]  # "1*1=" "1\n" then one token of the next turn

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from modules.launch import exit as fast_exit
@@ -25,6 +22,9 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(fast_exit.os, "_exit", os_exit)
     monkeypatch.setattr(fast_exit.atexit, "_run_exitfuncs", lambda: events.append("atexit"))
+    # the real one marks this (pytest's) main thread stopped: a subprocess runs it for real
+    # (tests/integration/test_exit_process.py)
+    monkeypatch.setattr(fast_exit.threading, "_shutdown", lambda: events.append("threads"))
     monkeypatch.delenv("ASYNCRL_FULL_TEARDOWN", raising=False)
     return events
 
@@ -40,23 +40,13 @@ def test_the_exit_code_is_the_runs(recorded, raised, code):
     with pytest.raises(Exited) as e:
         fast_exit.exit_when_done(main)
     assert e.value.code == code
-    assert recorded == ["atexit", f"_exit {code}"]  # the handlers run before the process ends
+    assert recorded == ["threads", "atexit", f"_exit {code}"]  # as the interpreter orders them
 
 
 def test_a_message_exit_prints_it_and_exits_1(recorded, capsys):
     with pytest.raises(Exited) as e:
         fast_exit.exit_when_done(lambda: exec("raise SystemExit('stopped: reason')"))
     assert e.value.code == 1 and "stopped: reason" in capsys.readouterr().err
-
-
-def test_non_daemon_threads_finish_before_the_handlers_run(recorded):
-    def worker():
-        time.sleep(0.2)
-        recorded.append("thread done")
-
-    with pytest.raises(Exited):
-        fast_exit.exit_when_done(lambda: threading.Thread(target=worker).start())
-    assert recorded == ["thread done", "atexit", "_exit 0"]
 
 
 def test_another_exception_is_not_swallowed(recorded):
