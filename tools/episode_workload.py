@@ -1,29 +1,35 @@
 """The pipeline simulator on a multi-turn run: each episode one request of its measured duration.
 
-    python -m tools.episode_workload SYNC_RUN [SYNC_RUN ...] --validate RUN [RUN ...]
+    python -m tools.episode_workload SYNC_RUN [ASYNC_RUN ...] --validate RUN [RUN ...]
     python -m tools.episode_workload outputs/bench/agent_modes/*sync*/seed* \
-        --validate outputs/bench/agent_modes/*/seed*
+        outputs/bench/agent_modes/agent_calculator/seed* --validate outputs/bench/agent_modes/*/seed*
 
 ``tools/workload.py`` fits an engine that decodes tokens: a request lasts its length times
 the cost of a decoding iteration. An episode that calls a tool is different: most of its wall
 time is spent waiting for the tool, outside the engine, where it holds no engine slot. So here
 a trained episode is one simulated request whose length is its measured wall duration
 (``gen_end - gen_start`` in ``experiences.jsonl``, the tool's latency included) in units of
-``unit_s``; the simulated engine has unlimited slots and a unit costs ``unit_s`` seconds, and
+``unit_s``; the simulated engine has the real one's slots (``engine.max_num_seqs``: the
+controllers size what they keep in flight from it, and an episode holds its place while its tool
+runs), a unit costs ``unit_s`` seconds however many run, and
 the trainer's step is its mean busy time in the fitted runs (``trainer_step_time``). The real
 rollout controllers then run on that workload (``tools.pipeline.simulate``): sync waits for
 its batch's slowest episode, streaming and partial rollout keep the tail in flight across
 weight syncs (a partial rollout abort resumes the episode with its remaining duration, which
 is what the real one does when the tool answers on the new weights).
 
-Fit on the sync runs (no overlap of training and generation, so their durations are the
-workload's own); ``--validate`` predicts each config among the runs (seeds pooled) and prints
+The durations come from the sync runs (no overlap of training and generation, so they are the
+workload's own). Given an overlapped run too (streaming or partial), the trainer's slowdown
+while episodes generate on the same machine is fitted as well (a step 1.6x longer on this
+2-core machine); from sync runs alone a predicted pipeline is as fast as if the trainer had the
+machine to itself. ``--validate`` predicts each config among the runs (seeds pooled) and prints
 predicted and measured samples/s, and each config's ratio to the sync config, predicted and
 measured. Prints one JSON object (last line).
 
 What it leaves out: the engine's own decoding limits (fine while decoding is short next to the
-tool's latency, as with the tiny model; not for long model turns) and the trainer and engine
-slowing each other on a shared machine (``tools/workload.py`` fits that for one-turn runs).
+tool's latency, as with the tiny model; not for long model turns), and queueing at the tool
+runner's concurrency limit, which differs between modes (measure with a limit the run never
+reaches, e.g. ``env.tools.concurrency=256``).
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ from tools.pipeline import simulate
 from tools.plan import _without_seed, run_config
 from tools.workload import (
     Workload,
+    fit_trainer,
     is_sync,
     measured_samples_per_s,
+    overlap,
     read_overrides,
     read_records,
     trainer_step_time,
@@ -50,19 +58,26 @@ from tools.workload import (
 
 
 def fit_episodes(runs: list[Path], unit_s: float = 0.01) -> Workload:
-    """A workload whose request lengths are episode durations in units of ``unit_s`` seconds."""
+    """A workload whose request lengths are episode durations in units of ``unit_s`` seconds,
+    read from the sync runs among ``runs`` (all of them if none is sync). The trainer's step:
+    its mean busy time, or with sync and overlapped runs together ``step = t0 (1 + t v)`` over
+    the engine's busy share v (``tools.workload.fit_trainer``): on a shared machine a step
+    taken while episodes generate is slower."""
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (sample, units, level)
-    for i, run in enumerate(runs):
+    durations = [r for r in runs if is_sync(r)] or runs
+    for i, run in enumerate(durations):
         for r in read_records(run):
             units = max(1, round((float(r["gen_end"]) - float(r["gen_start"])) / unit_s))
             groups.setdefault((i, r["group"]), []).append((int(r["sample"]), units, int(r["level"] or 0)))
     replay = [(g[0][2], [units for _, units, _ in sorted(g)]) for g in groups.values()]
+    t0, slow_t = fit_trainer([trainer_step_time(r) for r in runs], [overlap(r)[1] for r in runs])
     return Workload(
         groups=replay,
         step_cost=(unit_s, 0.0),
         prefill_iterations=0.0,
-        step_time=statistics.fmean(trainer_step_time(r) for r in runs),
-        overrides=read_overrides(runs[0]),
+        step_time=t0,
+        contention=(0.0, slow_t),  # an episode's time is mostly its tool's, not this machine's
+        overrides=read_overrides(durations[0]),
         fit={"runs": [str(r) for r in runs], "unit_s": unit_s, "episodes": sum(map(len, groups.values()))},
     )
 
@@ -81,8 +96,11 @@ def predict_episodes(work: Workload, cfg, seed: int = 0, steps: int | None = Non
         None,
         seed=seed,
         sync_every=int(cfg.data.get("sync_every") or 1),
-        engine=SimEngine(max_concurrency=None, step_cost=work.step_cost),
+        # the engine's slots as the controllers see them (they size what they keep in flight
+        # from it: an episode holds a place while its tool runs), each episode one request
+        engine=SimEngine(max_concurrency=cfg.engine.get("max_num_seqs"), step_cost=work.step_cost),
         task=SimTask.from_groups(work.groups),
+        contention=work.contention,
     )
 
 
@@ -118,7 +136,7 @@ def validate_episodes(work: Workload, runs: list[Path], seeds: int = 3) -> list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", type=Path, nargs="+", help="runs to fit (sync runs)")
+    parser.add_argument("runs", type=Path, nargs="+", help="runs to fit (sync, and one overlapped mode)")
     parser.add_argument("--validate", type=Path, nargs="*", default=[])
     parser.add_argument("--unit-s", type=float, default=0.01, help="seconds per simulated unit")
     args = parser.parse_args()

@@ -14,7 +14,14 @@ from tools.workload import Workload
 SYNC = ["recipe=agent_calculator", "rollout=sync", "~rollout.max_staleness"]
 
 
-def write_run(run, overrides: list[str], durations: list[list[float]], step_s: float, sps: float):
+def write_run(
+    run,
+    overrides: list[str],
+    durations: list[list[float]],
+    step_s: float,
+    sps: float,
+    engine_idle: float = 0.0,
+):
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- '{o}'\n" for o in overrides))
     with open(run / "experiences.jsonl", "w") as f:
@@ -22,8 +29,10 @@ def write_run(run, overrides: list[str], durations: list[list[float]], step_s: f
             for s, d in enumerate(group):
                 rec = {"group": g, "sample": s, "level": g % 3, "gen_start": 100.0, "gen_end": 100.0 + d}
                 f.write(json.dumps(rec) + "\n")
-    rows = ["step,perf/step_s,perf/step_wait_s,perf/samples_per_s"]
-    rows += [f"{i},{step_s + 1.0},1.0,{sps}" for i in range(10)]
+    rows = [
+        "step,perf/step_s,perf/step_wait_s,perf/samples_per_s,perf/trainer_idle_frac,perf/engine_idle_frac"
+    ]
+    rows += [f"{i},{step_s + 1.0},1.0,{sps},0.1,{engine_idle}" for i in range(10)]
     (run / "metrics.csv").write_text("\n".join(rows) + "\n")
     return run
 
@@ -62,3 +71,19 @@ def run_config_of(overrides: list[str]):
     from modules.launch.compose import compose
 
     return compose(overrides)
+
+
+def test_an_overlapped_run_adds_the_trainers_slowdown_on_a_shared_machine(tmp_path):
+    """Sync: the trainer alone, 0.2 s a step. Streaming: 0.32 s a step while the engine is busy
+    90 % of the time, so step = 0.2 (1 + t 0.9) gives t = 2/3; durations still from sync only."""
+    sync = write_run(tmp_path / "sync", [*SYNC, "seed=0"], [[0.3] * 8] * 40, 0.2, 250.0)
+    stream = write_run(
+        tmp_path / "stream", ["recipe=agent_calculator", "seed=0"], [[9.0] * 8] * 40, 0.32, 300.0, 0.1
+    )
+    work = fit_episodes([sync, stream])
+    assert work.step_time == pytest.approx(0.2) and work.contention == (0.0, pytest.approx(2 / 3))
+    assert {n for _, g in work.groups for n in g} == {30}  # the streaming run's durations unused
+    alone = fit_episodes([sync])
+    shared = predict_episodes(work, run_config_of(["recipe=agent_calculator"]), steps=20)
+    free = predict_episodes(alone, run_config_of(["recipe=agent_calculator"]), steps=20)
+    assert shared["samples_per_unit"] < 0.8 * free["samples_per_unit"]
