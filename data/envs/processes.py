@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 from data.envs.tools import on_daemon_thread
-from modules.launch.config_errors import check
 
 
 def _serve(conn: Any) -> None:
@@ -66,9 +65,14 @@ class _Worker:
 
 class ProcessTool:
     def __init__(self, fn: Callable[..., Any], workers: int = 2, start_method: str = "spawn") -> None:
-        check("env.tools.workers", workers, isinstance(workers, int) and workers >= 1, "an int >= 1")
+        # arguments of code that builds the tool (an environment), not config fields
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"ProcessTool: workers={workers!r}: must be an int >= 1")
         methods = multiprocessing.get_all_start_methods()
-        check("start_method", start_method, start_method in methods, f"one of {', '.join(methods)}")
+        if start_method not in methods:
+            raise ValueError(
+                f"ProcessTool: start_method={start_method!r}: must be one of {', '.join(methods)}"
+            )
         self.fn, self.workers = fn, workers
         self._ctx = multiprocessing.get_context(start_method)
         self._idle: list[_Worker] = []
