@@ -230,8 +230,11 @@ def test_carry_over_across_weight_update_matches_each_policy(engine, models, inf
     lp_old = trainer_logprobs(old, prompt, tokens, 1.0)
     lp_new = trainer_logprobs(new, prompt, tokens, 1.0)
     got = torch.tensor(logprobs)
-    assert (got[:split] - lp_old[:split]).abs().max() < 1e-4
-    assert (got[split:] - lp_new[split:]).abs().max() < 1e-4
+    # fp32 engine vs trainer: typically 1e-5, once measured at 1.0e-4 on one of 160 tokens (CI,
+    # 2026-12-04); the two policies differ by about 1e-1 (checked below), so 2e-4 still tells them apart
+    assert (got[:split] - lp_old[:split]).abs().max() < 2e-4
+    assert (got[split:] - lp_new[split:]).abs().max() < 2e-4
+    assert (lp_old[split:] - lp_new[split:]).abs().max() > 1e-2
 
 
 def test_a_slow_completion_callback_does_not_stall_the_engine(engine, models):
