@@ -16,9 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from modules.engine.gpus import place_gpus
-from modules.launch.cli import report_config_errors, startup
+from modules.launch.cli import launch, startup
 from modules.launch.compose import build  # also registers the resolvers conf/ uses
-from modules.launch.exit import exit_when_done
 from modules.launch.multirun import this_job_for_ddp_children
 
 
@@ -58,7 +57,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":  # not in a spawned process that re-imports this file
-    import lightning  # noqa: F401  (before Hydra's logging, so Lightning keeps its own console)
-
-    report_config_errors()  # config errors: one message, exit 2, no traceback
-    exit_when_done(main)  # atexit handlers run, the interpreter's 2 s teardown skipped
+    launch(main)  # config errors: one message, exit 2; the exit skips the interpreter's teardown

@@ -103,3 +103,15 @@ def report_config_errors() -> None:
 
     run_and_report.reports_config_errors = True  # type: ignore[attr-defined]
     hydra_utils.run_and_report = run_and_report
+
+
+def launch(main: Callable[[], Any]) -> None:
+    """``python train.py``: Lightning imported before Hydra sets up logging (so Lightning keeps
+    its own console), config errors reported as above, and the exit of ``modules/launch/exit.py``
+    (atexit handlers run, the interpreter's teardown skipped)."""
+    import lightning  # noqa: F401
+
+    from modules.launch.exit import exit_when_done
+
+    report_config_errors()
+    exit_when_done(main)
