@@ -10,6 +10,7 @@ import psutil
 
 from data.envs.processes import ProcessTool
 from data.envs.tools import ToolRunner
+from tests.integration.test_rewards import children  # descendants less the resource tracker
 
 
 def square(x: int) -> int:
@@ -52,21 +53,8 @@ def test_a_spinning_tool_is_killed_at_its_timeout_and_the_next_call_gets_a_fresh
     assert again != pid  # a fresh worker
 
 
-def workers() -> set[int]:
-    """Live children, without multiprocessing's resource tracker (started by the first spawn,
-    it lives as long as this interpreter)."""
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.Error:
-            pass
-    return out
-
-
 def test_results_errors_and_reuse():
-    before = workers()
+    before = children()
     runner = ToolRunner(concurrency=4, timeout_s=30.0, retries=1)
     tool = ProcessTool(square, workers=1)
     bad = ProcessTool(fail, workers=1)
@@ -85,6 +73,6 @@ def test_results_errors_and_reuse():
         tool.close()
         bad.close()
     deadline = time.monotonic() + 10
-    while workers() - before and time.monotonic() < deadline:  # killed; reaped on a thread
+    while children() - before and time.monotonic() < deadline:  # killed; reaped on a thread
         time.sleep(0.1)
-    assert workers() <= before  # closed: no worker left
+    assert children() <= before  # closed: no worker left
