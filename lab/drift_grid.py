@@ -43,6 +43,7 @@ import json
 import math
 import shutil
 import statistics
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,16 +52,79 @@ from lab.modes import read_metrics, run_dir_name, run_recipe
 from modules.callbacks.drift_score import DriftDetector
 
 ROOT = Path(__file__).resolve().parents[1]
+# The grid's arms: the anchor, the trust region and the correction are separate factors, so
+# that two arms differ in what their names say. ``bypass``: PPO clip of pi / mu (the shipped
+# recipes); ``bypass_noclip``: the same surrogate without the clip (``algo/objective=reinforce``:
+# sg(pi / mu) A grad log pi, no trust region; the gradient of decoupled + untruncated token_is
+# without a clip); ``decoupled``: PPO clip of pi / pi_old and no behaviour weight; every other
+# arm is that plus the named correction of pi_old / mu. ``none`` is the old name of ``bypass``.
+ARMS = ["bypass", "bypass_noclip", "decoupled", "tis", "tseq_is", "token_is", "icepop"]
 CORRECTIONS = ["none", "token_is", "tis", "tseq_is", "geo_seq_is", "icepop", "ds_seq_mask"]
 MISMATCH = ["none", "tis", "mis", "icepop"]
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def cell_spec(lag: int, correction: str, extra: list[str] | None = None, controller: bool = False) -> str:
+def arm_overrides(arm: str) -> list[str]:
+    """The overrides of one arm (see ``ARMS``), in the order the stored cell specs use."""
+    if arm in ("none", "bypass"):
+        return ["algo/correction=none"]
+    if arm == "bypass_noclip":
+        return ["algo/correction=none", "algo/objective=reinforce"]
+    correction = "none" if arm == "decoupled" else arm
+    return [f"algo/correction={correction}", "algo.loss.anchor=decoupled"]
+
+
+def arm_of(spec: str) -> str:
+    """The arm a cell spec runs (``cell_spec``'s inverse)."""
+    parts = spec_overrides(spec)
+    correction = parts.get("algo/correction", "none")
+    if parts.get("algo.loss.anchor") == "decoupled":
+        return "decoupled" if correction == "none" else correction
+    if correction == "none":
+        return "bypass_noclip" if parts.get("algo/objective") == "reinforce" else "bypass"
+    return correction
+
+
+def cell_spec(lag: int, arm: str, extra: list[str] | None = None, controller: bool = False) -> str:
     drift = "controller" if controller else "monitor"
-    parts = [f"callbacks.weight_sync.lag={lag}", f"algo/correction={correction}", f"callbacks/drift={drift}"]
-    if correction != "none":
-        parts.append("algo.loss.anchor=decoupled")
+    first, *rest = arm_overrides(arm)
+    parts = [f"callbacks.weight_sync.lag={lag}", first, f"callbacks/drift={drift}", *rest]
     return "sync_grpo:" + ",".join([*parts, *(extra or [])])
+
+
+def mean_ci(xs: list[float]) -> dict:
+    """Mean and 95 % t interval (None with fewer than 2 values); ``inside_noise``: 0 is in it."""
+    if len(xs) < 2:
+        return {
+            "mean": statistics.fmean(xs) if xs else math.nan,
+            "ci": None,
+            "n": len(xs),
+            "inside_noise": None,
+        }
+    m = statistics.fmean(xs)
+    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return {"mean": m, "ci": [m - half, m + half], "n": len(xs), "inside_noise": m - half <= 0 <= m + half}
+
+
+def paired_to_k0(cells: dict[str, dict]) -> None:
+    """Each lagged cell's ``vs_k0``: its final held-out sampled reward minus that of the same
+    arm (and the same other overrides) at K = 0, paired by seed, with a 95 % t interval."""
+    key = {}
+    for spec in cells:
+        parts = spec_overrides(spec)
+        parts.pop("callbacks.weight_sync.lag", None)
+        key[spec] = tuple(sorted(parts.items()))
+    base = {key[spec]: spec for spec in cells if lag_of(spec) == 0}
+    for spec, cell in cells.items():
+        if lag_of(spec) == 0 or key[spec] not in base:
+            continue
+        k0 = {r["seed"]: r["final_sampled"] for r in cells[base[key[spec]]]["runs"]}
+        diffs = [
+            r["final_sampled"] - k0[r["seed"]]
+            for r in cell["runs"]
+            if r["seed"] in k0 and math.isfinite(r["final_sampled"]) and math.isfinite(k0[r["seed"]])
+        ]
+        cell["vs_k0"] = mean_ci(diffs)
 
 
 def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
@@ -198,7 +262,16 @@ def outcome(
     }
 
 
-DIAGNOSTICS = ("is/ess_frac", "is/zeroed_frac", "train/kl_behavior", "train/clip_frac", "train/grad_norm")
+DIAGNOSTICS = (
+    "is/ess_frac",
+    "is/zeroed_frac",
+    "train/kl_behavior",
+    "train/clip_frac",
+    "train/grad_norm",
+    "ratio/mu_out_frac",  # the share of tokens outside 1 -+ 0.2 against each anchor
+    "ratio/pi_old_out_frac",
+)
+PEAKS = ("is/weight_max", "ratio/mu_max", "ratio/pi_old_max")  # the largest value in the run
 
 
 def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
@@ -210,11 +283,11 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
         if r.get("step") and r.get("train/loss") and float(r.get("rollout/staleness_max") or 0.0) >= lag
     ]
     out = {}
-    for key in DIAGNOSTICS:
-        values = [float(r[key]) for r in steady if r.get(key)]
-        out[key] = statistics.median(values) if values else float("nan")
-    weights = [float(r["is/weight_max"]) for r in steady if r.get("is/weight_max")]
-    out["is/weight_max"] = max(weights) if weights else float("nan")
+    for keys, reduce in ((DIAGNOSTICS, statistics.median), (PEAKS, max)):
+        for key in keys:
+            values = [float(r[key]) for r in steady if r.get(key)]
+            if values:  # a metric the run did not log (older runs: ratio/*) is left out
+                out[key] = reduce(values)
     return out
 
 
@@ -266,7 +339,8 @@ def table(
             "greedy_mean": statistics.fmean(greedy),
             "unevaluated": sum(not math.isfinite(r["final_sampled"]) for r in runs),
             "diagnostics": {
-                key: statistics.fmean(r["diagnostics"][key] for r in runs) for key in runs[0]["diagnostics"]
+                key: statistics.fmean(r["diagnostics"][key] for r in runs if key in r["diagnostics"])
+                for key in dict.fromkeys(k for r in runs for k in r["diagnostics"])
             },
             "collapsed": sum(r["collapsed"] for r in runs),
             "collapse_steps": [r["collapse_step"] for r in runs if r["collapsed"]],
@@ -279,6 +353,7 @@ def table(
             "missing_seeds": missing,
             "runs": runs,
         }
+    paired_to_k0(cells)
     # runs that did not collapse and that no controller steered: where an alarm is a false one
     healthy = sum(1 for c in cells.values() for r in c["runs"] if not r["collapsed"] and not r["acted"])
     return {
@@ -368,8 +443,10 @@ def short(spec: str) -> str:
     for key, value in spec_overrides(spec).items():
         if key == "callbacks.weight_sync.lag":
             out.append(f"K={value}")
-        elif key in ("algo/correction", "algo.loss.anchor"):
-            out.append(value)
+        elif key == "algo/correction":
+            out.append(arm_of(spec))
+        elif key in ("algo.loss.anchor", "algo/objective"):
+            continue  # in the arm's name
         elif key == "callbacks/drift":
             out.append("+controller" if value == "controller" else "")
         else:
@@ -390,8 +467,25 @@ def reward_text(cell: dict) -> str:
 
 
 def diagnostics_text(cell: dict) -> str:
-    d = cell["diagnostics"]
+    d = defaultdict(lambda: math.nan, cell["diagnostics"])
     return f"{d['is/ess_frac']:.2f} / {d['train/kl_behavior']:.3f} / {d['train/clip_frac']:.2f}"
+
+
+def anchors_text(cell: dict) -> str:
+    d = defaultdict(lambda: math.nan, cell["diagnostics"])
+    return (
+        f"{d['ratio/mu_out_frac']:.2f} / {d['ratio/pi_old_out_frac']:.2f} / {d['ratio/mu_max']:.1f} / "
+        f"{d['is/weight_max']:.1f}"
+    )
+
+
+def paired_text(cell: dict) -> str:
+    """The paired difference to K = 0: mean [95 % CI], in italics when the interval holds 0."""
+    p = cell.get("vs_k0")
+    if not p or p["ci"] is None:
+        return ""
+    text = f"{p['mean']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]"
+    return f"*{text}*" if p["inside_noise"] else f"**{text}**"
 
 
 def markdown(cells: dict[str, dict], start: float) -> str:
@@ -404,15 +498,19 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         row = f"K = {parts.get('callbacks.weight_sync.lag', '0')}"
         row += " (bf16 engine)" if parts.get("engine.dtype") == "bfloat16" else ""
         row += " + controller" if parts.get("callbacks/drift") == "controller" else ""
-        grid[(row, parts["algo/correction"])] = cell
+        grid[(row, arm_of(spec))] = cell
     rows = list(dict.fromkeys(r for r, _ in grid))
     used = {c for _, c in grid}
-    cols = [c for c in dict.fromkeys([*CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
+    cols = [c for c in dict.fromkeys([*ARMS, *CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
     titles = {
         reward_text: "Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the "
         f"warm start ({start:.3f})",
         diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
         "behaviour KL / clip fraction",
+        paired_text: "Final held-out sampled reward minus K = 0's, same arm, paired by seed: mean "
+        "[95 % t CI]; italics: inside the noise (the interval holds 0)",
+        anchors_text: "Both anchors at full lag: share of tokens with pi / mu outside 1 -+ 0.2 / the same "
+        "for pi / pi_old (medians per run, mean over seeds) / largest pi / mu / largest IS weight",
     }
     lines: list[str] = []
     for fmt, title in titles.items():
@@ -457,7 +555,9 @@ def plot_trajectories(runs: dict[str, list[dict[str, str]]], path: Path) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    parser.add_argument("--corrections", nargs="+", default=None)
+    parser.add_argument(
+        "--arms", "--corrections", nargs="+", default=None, help=f"default {' '.join(ARMS)} (see ARMS)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--mismatch", action="store_true", help="bf16 engine at lag 0 instead of the grid")
     parser.add_argument("--controller", action="store_true", help="add callbacks/drift=controller")
@@ -486,9 +586,9 @@ def main() -> None:
     args = parser.parse_args()
     ctl = args.controller
     if args.mismatch:
-        specs = [cell_spec(0, c, ["engine.dtype=bfloat16"], ctl) for c in args.corrections or MISMATCH]
+        specs = [cell_spec(0, c, ["engine.dtype=bfloat16"], ctl) for c in args.arms or MISMATCH]
     else:
-        specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.corrections or CORRECTIONS]
+        specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.arms or ARMS]
     if args.replay:  # false alarms on runs of any recipe (their metrics.csv)
         detector = {"threshold": args.threshold, "patience": args.patience}
         runs = [r for r in args.replay if (r / "metrics.csv").exists()]

@@ -4,16 +4,22 @@
     .venv-trl/bin/python -m tools.trl_peer --run-dir outputs/bench/trl/seed0 --seed 0
     python -m tools.heldout_curve outputs/bench/trl/seed0        # held-out reward curve
     python -m lab.modes --recipes trl sync_grpo async_grpo --reference trl   # all of it
+    .venv-trl/bin/python -m tools.trl_peer --run-dir outputs/bench/trl_agent/seed0 -- \
+        recipe=agent_calculator rollout=sync "~rollout.max_staleness" algo/correction=none \
+        algo.loss.anchor=bypass                               # multi-turn: tools/trl_episodes.py
 
 Runs in TRL's own venv (``make trl-venv``: the project's torch / transformers / vLLM plus TRL),
 never in the project's. The settings come from the project's own composed config
-(``recipe=sync_grpo`` + ``seed`` + any overrides after ``--``), mapped field by field:
+(``recipe=sync_grpo``, or the ``recipe=`` given after ``--``, + ``seed`` + the other overrides
+after ``--``), mapped field by field:
 
     model.path (SFT warm start, float32, dropout off)  -> model, disable_dropout=True
     prompts: the task's train split in the order of the project's PromptStream(seed), P per step
     rollout.group_size G, P x G completions per step   -> num_generations, per_device_train_batch_size
     rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
     the task's reward (``task.reward(row, text)``)     -> the one reward function
+    env (multi-turn episodes: ``env=calculator``)      -> rollout_func + env_mask (tools/trl_episodes.py),
+                                                          the episode's reward as the reward
     algo: group advantages scaled by std, PPO clip eps, token-mean loss, 1 minibatch x
           1 epoch                                      -> scale_rewards="group", epsilon,
                                                           loss_type="dapo", num_iterations=1
@@ -112,7 +118,8 @@ def main() -> None:
     from modules.launch.compose import compose
     from modules.policy.hf_policy import disable_dropout, load_policy
 
-    overrides = ["recipe=sync_grpo", f"seed={args.seed}", *args.overrides]
+    recipe = [] if any(o.startswith("recipe=") for o in args.overrides) else ["recipe=sync_grpo"]
+    overrides = [*recipe, f"seed={args.seed}", *args.overrides]
     run_dir = args.run_dir.resolve()
     cfg = compose(overrides, output_dir=str(run_dir))
     check_matchable(cfg)
@@ -131,6 +138,18 @@ def main() -> None:
 
     reward.__name__ = "task_reward"
     model, tokenizer = load_policy(cfg.model.path)
+    rollout_func = None
+    if cfg.get("env") is not None:  # multi-turn: the project's environment through TRL's rollout_func
+        from tools.trl_episodes import EpisodeRollout
+
+        env = instantiate(cfg.env)
+        texts = {task.prompt_text(r): r for r in rows}
+        rollout_func = EpisodeRollout(env, task, texts, tokenizer, rollout.sampling)
+
+        def reward(prompts: list, completions: list, episode_reward: list, **_: Any) -> list[float]:
+            return [float(x) for x in episode_reward]
+
+        reward.__name__ = "episode_reward"
     disable_dropout(model)
     sampling = rollout.sampling
     opt = cfg.module.optimizer
@@ -143,7 +162,7 @@ def main() -> None:
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
-        max_completion_length=int(sampling.max_tokens),
+        max_completion_length=int(rollout_func.budget if rollout_func else sampling.max_tokens),
         temperature=float(sampling.temperature),
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k) if int(sampling.top_k) > 0 else 0,
@@ -224,6 +243,7 @@ def main() -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
+        rollout_func=rollout_func,
     )
     trainer.train()
     model.save_pretrained(run_dir / "hf_model", safe_serialization=True)

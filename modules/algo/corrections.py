@@ -95,6 +95,24 @@ def diagnostics(w: torch.Tensor, mask: torch.Tensor, log_w: torch.Tensor) -> dic
     }
 
 
+RATIO_BAND = 0.2  # the shipped PPO clip: ratio/*_out_frac is the share of tokens outside 1 -+ it
+
+
+def ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor, anchor: str) -> dict[str, torch.Tensor]:
+    """``ratio/{anchor}_mean``, ``_max``, ``_min`` and ``_out_frac`` (outside [0.8, 1.2],
+    either side, whatever the advantage's sign) of pi / anchor over the masked tokens. Logged
+    for both anchors, mu and pi_old, so that a run whose objective clips against one still
+    shows how far it moved from the other."""
+    m = mask > 0
+    r = log_ratio.detach()[m].exp() if m.any() else log_ratio.new_ones(1)
+    return {
+        f"ratio/{anchor}_mean": r.mean(),
+        f"ratio/{anchor}_max": r.max(),
+        f"ratio/{anchor}_min": r.min(),
+        f"ratio/{anchor}_out_frac": ((r < 1 - RATIO_BAND) | (r > 1 + RATIO_BAND)).float().mean(),
+    }
+
+
 class Correction(ABC):
     """Base: ``__call__`` returns (weights [B, T] detached, metrics).
 

@@ -45,6 +45,7 @@ from modules.algo.corrections import (
     diagnostics,
     masked_mean,
     per_token_advantages,
+    ratio_stats,
 )
 from modules.launch.config_errors import check, check_choice
 
@@ -286,6 +287,9 @@ def policy_loss(
         # k3 estimate of KL(mu || pi) on the sampled tokens: r - 1 - log r, r = pi / mu.
         lr = _log_ratio(logp, behavior_logp)
         metrics["kl_behavior"] = masked_mean(lr.exp() - 1 - lr, mask)
+        # the ratio against each anchor, whichever one the objective clips (equal in bypass)
+        metrics.update(ratio_stats(lr, mask, "mu"))
+        metrics.update(ratio_stats(_log_ratio(logp, pi_old), mask, "pi_old"))
     metrics.update(obj_metrics)
     if kl_coef and ref_logp is not None:
         kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, aggregation, norm_const, totals, world_size)

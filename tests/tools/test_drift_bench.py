@@ -133,7 +133,31 @@ def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
     d = diagnostics(rows, lag=2)
     assert abs(d["is/ess_frac"] - 0.35) < 1e-12  # median of steps 2..5: 0.2, 0.3, 0.4, 0.5
     assert d["is/weight_max"] == 5.0
-    assert d["train/kl_behavior"] != d["train/kl_behavior"]  # not logged: nan, not 0
+    assert "train/kl_behavior" not in d  # not logged: absent (a table shows nan), not 0
+
+
+def test_arms_separate_anchor_clip_and_correction_and_pair_each_lag_with_k0():
+    """Each arm's spec differs from the others in what its name says, ``arm_of`` inverts
+    ``cell_spec`` (the old ``none`` is ``bypass``), and ``paired_to_k0`` pairs by seed."""
+    from lab.drift_grid import ARMS, arm_of, cell_spec, paired_to_k0, spec_overrides
+
+    specs = {arm: spec_overrides(cell_spec(4, arm)) for arm in ARMS}
+    assert specs["bypass_noclip"] == {**specs["bypass"], "algo/objective": "reinforce"}
+    assert specs["decoupled"] == {**specs["bypass"], "algo.loss.anchor": "decoupled"}
+    assert specs["tis"] == {**specs["decoupled"], "algo/correction": "tis"}
+    assert all(arm_of(cell_spec(k, a)) == a for a in ARMS for k in (0, 2))
+    assert cell_spec(1, "none") == cell_spec(1, "bypass")  # the stored grid's specs still match
+    cells = {
+        cell_spec(0, "tis"): {"runs": [{"seed": 0, "final_sampled": 0.5}, {"seed": 1, "final_sampled": 0.7}]},
+        cell_spec(2, "tis"): {"runs": [{"seed": 1, "final_sampled": 0.6}, {"seed": 0, "final_sampled": 0.2}]},
+        cell_spec(2, "bypass"): {"runs": [{"seed": 0, "final_sampled": 0.1}]},  # no K = 0: unpaired
+    }
+    paired_to_k0(cells)
+    p = cells[cell_spec(2, "tis")]["vs_k0"]
+    assert p["n"] == 2 and abs(p["mean"] - (-0.3 - 0.1) / 2) < 1e-12
+    # diffs -0.3, -0.1: sd 0.1414, half-width 12.706 * 0.1414 / sqrt(2) = 1.2706
+    assert abs(p["ci"][1] - p["ci"][0] - 2 * 1.2706) < 1e-3 and p["inside_noise"]
+    assert "vs_k0" not in cells[cell_spec(2, "bypass")] and "vs_k0" not in cells[cell_spec(0, "tis")]
 
 
 def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
@@ -151,7 +175,7 @@ def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
     write_run(out / run_dir_name(specs[1]) / "seed2", rows_of([0.5] * 12), None)  # stopped early
     result = table(out, specs, [0, 1, 2], 0.15, {"threshold": 4.0})
     md = markdown(result["cells"], 0.4).splitlines()
-    assert md[2] == "| | none | tis |"
+    assert md[2] == "| | bypass | tis |"
     assert md[4].startswith("| K = 0 | 0.650 +- 0.071 (2) |") and md[4].endswith("|  |")
     assert "| K = 4 |  | 0.400 +- 0.141 (2), 1 stopped, **2 collapsed**" in md[5]
 

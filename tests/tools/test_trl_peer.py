@@ -4,6 +4,7 @@ run directory it writes (read by ``tools.heldout_curve`` and ``lab.modes``)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,3 +45,64 @@ def test_the_run_directory_reads_like_a_train_py_run(tmp_path):
     metrics = read_metrics(tmp_path)
     assert last(metrics, "rollout/staleness_max") == 0.0  # TRL has no staleness
     assert math.isnan(last(metrics, "perf/engine_idle_frac"))  # nor an engine
+
+
+class ScriptedModel:
+    """``generate`` as Hugging Face returns it (left-padded input, ``sequences`` and processed
+    ``scores``), writing by rule: after the question "c=", after an observation "a." + EOS; one
+    row (the question "9*9?") writes "a" then filler past the episode's budget."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+        import torch
+
+        vocab = len(self.tok)
+        rows, scores = [], []
+        for ids, m in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tok.decode([t for t, k in zip(ids, m) if k], skip_special_tokens=True)
+            if text.startswith("9*9?"):
+                new = self.tok("a" + "1" * 60, add_special_tokens=False)["input_ids"]
+            elif text.endswith("?"):
+                new = self.tok("c=xx", add_special_tokens=False)["input_ids"]  # stops at "="
+            else:
+                new = [*self.tok("a.", add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
+            new = new[:max_new_tokens]
+            rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
+        out = torch.tensor(rows)
+        for k in range(max_new_tokens):
+            logits = torch.full((len(rows), vocab), -1e9)
+            logits[torch.arange(len(rows)), out[:, k]] = 0.0  # the sampled token had probability 1
+            scores.append(logits)
+        return SimpleNamespace(sequences=torch.cat([input_ids, out], dim=1), scores=tuple(scores))
+
+
+def test_trl_episodes_follow_the_projects_episode_rules(models):
+    """The TRL peer's multi-turn rollout (tools/trl_episodes.py) on the calculator: model and
+    observation tokens in order, the observation masked out with logprob 0, the environment's
+    reward, and the token budget cutting a turn that runs past it."""
+    from transformers import AutoTokenizer
+
+    from data.tasks.calculator import CalculatorEnv, CalculatorTask
+    from tools.trl_episodes import EpisodeRollout
+
+    tok = AutoTokenizer.from_pretrained(models["tied"])
+    task = CalculatorTask()
+    rows = [{"prompt": "47*38?", "answer": "1786"}, {"prompt": "9*9?", "answer": "81"}]
+    rollout = EpisodeRollout(
+        CalculatorEnv(max_turns=3),
+        task,
+        {task.prompt_text(r): r for r in rows},
+        tok,
+        SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24),
+    )
+    out = rollout.episodes([task.prompt_text(r) for r in rows], ScriptedModel(tok))
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert out["prompt_ids"][0] == tok(task.prompt_text(rows[0]))["input_ids"]
+    assert out["completion_ids"][0] == [*enc("c="), *enc("1786;"), *enc("a."), tok.eos_token_id]
+    assert out["env_mask"][0] == [1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert [lp == 0.0 for lp in out["logprobs"][0]] == [True] * 10  # probability 1 (scripted), obs 0
+    assert out["episode_reward"] == [1.0, 0.0]
+    assert len(out["completion_ids"][1]) == 24 and out["env_mask"][1] == [1] * 24  # cut by the budget
+    assert rollout.turn_stats[0][0]["valid_call"] is True and rollout.turn_stats[0][1]["done"] is True

@@ -65,3 +65,56 @@ def test_behavior_logprobs_get_no_gradient_and_extremes_are_finite():
     loss.backward()
     assert b.grad is None or (b.grad == 0).all()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
+
+
+def _grad(**kwargs) -> torch.Tensor:
+    """d loss / d logp of ``policy_loss`` on one fixed off-policy batch (pi far from mu)."""
+    from modules.algo.losses import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    mu = -1.0 - torch.rand(3, 5, generator=g)
+    pi_old = mu + 0.3 * torch.randn(3, 5, generator=g)  # a stale behaviour policy
+    logp = (pi_old + 0.4 * torch.randn(3, 5, generator=g)).requires_grad_(True)  # moved past the clip
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    old = pi_old if kwargs.get("anchor") == "decoupled" else None  # bypass: pi_old := mu
+    loss, metrics = policy_loss(logp, mu, torch.tensor([1.0, -0.5, 2.0]), mask, old_logp=old, **kwargs)
+    loss.backward()
+    return logp.grad, metrics
+
+
+def test_bypass_without_clip_is_the_unclipped_surrogate_and_untruncated_decoupled_token_is():
+    """The clip-free bypass arm (``algo/objective=reinforce``, bypass anchor): the gradient of
+    PPO's surrogate r A with r = pi / mu and no clip, which is also decoupled PPO with an
+    untruncated token IS weight pi_old / mu and no clip; the clipped bypass differs (its
+    trust region binds here)."""
+    import functools
+
+    from modules.algo.corrections import TokenIS
+    from modules.algo.losses import ppo_clip, reinforce
+
+    noclip, _ = _grad(objective=reinforce, anchor="bypass")
+    surrogate, _ = _grad(objective=functools.partial(ppo_clip, eps_low=1.0, eps_high=1e9), anchor="bypass")
+    decoupled, _ = _grad(objective=reinforce, anchor="decoupled", correction=TokenIS(self_normalize=False))
+    clipped, m = _grad(objective=ppo_clip, anchor="bypass")
+    assert torch.allclose(noclip, surrogate, atol=1e-6) and torch.allclose(noclip, decoupled, atol=1e-6)
+    assert m["clip_frac"] > 0 and not torch.allclose(noclip, clipped, atol=1e-3)
+
+
+def test_ratio_statistics_of_both_anchors():
+    """``ratio/mu_*`` and ``ratio/pi_old_*``: pi / mu and pi / pi_old over the masked tokens."""
+    from modules.algo.losses import policy_loss
+
+    mu = torch.full((1, 4), -1.0)
+    pi_old = mu + torch.log(torch.tensor([[1.0, 1.0, 2.0, 1.0]]))
+    logp = mu + torch.log(torch.tensor([[1.1, 0.5, 2.0, 9.0]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the 9x token is masked out
+    _, m = policy_loss(logp, mu, torch.tensor([1.0]), mask, anchor="decoupled", old_logp=pi_old)
+    assert math.isclose(m["ratio/mu_mean"].item(), (1.1 + 0.5 + 2.0) / 3, rel_tol=1e-5)
+    assert math.isclose(m["ratio/mu_max"].item(), 2.0, rel_tol=1e-5)
+    assert math.isclose(m["ratio/mu_min"].item(), 0.5, rel_tol=1e-5)
+    assert math.isclose(m["ratio/mu_out_frac"].item(), 2 / 3, rel_tol=1e-5)  # 0.5 and 2.0
+    assert math.isclose(m["ratio/pi_old_mean"].item(), (1.1 + 0.5 + 1.0) / 3, rel_tol=1e-5)
+    assert math.isclose(m["ratio/pi_old_out_frac"].item(), 1 / 3, rel_tol=1e-5)  # 0.5 only
+    _, b = policy_loss(logp, mu, torch.tensor([1.0]), mask)  # bypass: pi_old is mu
+    assert b["ratio/pi_old_mean"] == b["ratio/mu_mean"]

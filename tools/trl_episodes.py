@@ -1,0 +1,158 @@
+"""Multi-turn episodes for TRL's GRPOTrainer: the project's environment as a ``rollout_func``.
+
+    .venv-trl/bin/python -m tools.trl_peer --run-dir outputs/bench/trl_agent/seed0 --seed 0 -- \\
+        recipe=agent_calculator rollout=sync "~rollout.max_staleness" algo/correction=none \\
+        algo.loss.anchor=bypass
+
+``tools/trl_peer.py`` uses this when the composed config has an environment (``env=...``).
+TRL's own tool loop (``tools=`` / ``environment_factory=``) renders prompts and tool results
+with the tokenizer's chat template and parses tool calls from it; the project's character
+model has no chat template, so the peer takes TRL's documented hook for custom multi-turn
+generation instead: a ``rollout_func`` that returns the token ids of each episode and an
+``env_mask`` (1 on model tokens, 0 on observation tokens: TRL masks the latter out of the loss
+and the KL, as the project does). The loop is TRL's own shape: one batched ``generate`` for
+every episode still running, then every environment step of that turn concurrently (the tool's
+latency model included), then the next turn for the episodes that go on.
+
+The episode rules are those of ``data/envs/episodes.py``: a turn ends at an ``env.stop`` token,
+EOS or the budget; the turn's text goes to ``env.step``, whose observation is tokenised once
+and appended (mask 0); the episode ends when the environment says done, the model writes EOS,
+``env.max_turns`` turns are done or its tokens (model and observation) reach the budget
+(``env.max_total_tokens`` or ``rollout.sampling.max_tokens``); its reward is
+``env.final_reward``. Behaviour logprobs are the sampling distribution's (after temperature /
+top-k / top-p), as the engine's ``processed_logprobs`` are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+
+class EpisodeRollout:
+    """``rollout_func(prompts, trainer)`` for TRL: one episode per prompt (TRL repeats each
+    prompt ``num_generations`` times), its reward in the ``episode_reward`` field."""
+
+    def __init__(self, env: Any, task: Any, rows: dict[str, dict], tokenizer: Any, sampling: Any) -> None:
+        self.env = env
+        self.task = task
+        self.rows = rows  # prompt text -> dataset row
+        self.tokenizer = tokenizer
+        self.temperature = float(sampling.temperature)
+        self.top_p = float(sampling.top_p)
+        self.top_k = int(sampling.top_k)
+        self.budget = int(env.max_total_tokens or sampling.max_tokens)
+        self.stop_ids = [tokenizer(s, add_special_tokens=False)["input_ids"][0] for s in env.stop]
+        self.loop = asyncio.new_event_loop()
+        self.turn_stats: list[list[dict]] = []
+
+    def __call__(self, prompts: list[str], trainer: Any) -> dict[str, list]:
+        from trl.models import unwrap_model_for_generation
+
+        # as TRL generates: gradient checkpointing off (with it, generate's KV cache is dropped)
+        with unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model:
+            return self.episodes(prompts, model)
+
+    def episodes(self, prompts: list[str], model: Any) -> dict[str, list]:
+        rows = [self.rows[p] for p in prompts]
+        prompt_ids = [self.tokenizer(self.task.prompt_text(r))["input_ids"] for r in rows]
+        states = self.run([self.env.reset(r) for r in rows])
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        mask: list[list[int]] = [[] for _ in rows]
+        rewards: list[list[float]] = [[] for _ in rows]
+        turns: list[list[dict]] = [[] for _ in rows]
+        running = list(range(len(rows)))
+        for turn in range(self.env.max_turns):
+            running = [i for i in running if len(tokens[i]) < self.budget]
+            if not running:
+                break
+            new, lps = self.generate(model, [prompt_ids[i] + tokens[i] for i in running], running, tokens)
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
+            steps = self.run([self.step(states[i], text) for i, text in zip(running, texts)])
+            going = []
+            for i, ids, lp, step in zip(running, new, lps, steps):
+                tokens[i] += ids
+                logprobs[i] += lp
+                mask[i] += [1] * len(ids)
+                rewards[i].append(float(step.reward))
+                turns[i].append({"reward": float(step.reward), "done": bool(step.done), **step.info})
+                eos = not ids or ids[-1] not in self.stop_ids and ids[-1] == self.tokenizer.eos_token_id
+                room = self.budget - len(tokens[i])
+                if eos or step.done or room <= 0 or turn + 1 >= self.env.max_turns:
+                    continue
+                obs = list(self.tokenizer(step.observation, add_special_tokens=False)["input_ids"])[:room]
+                tokens[i] += obs
+                logprobs[i] += [0.0] * len(obs)
+                mask[i] += [0] * len(obs)
+                going.append(i)
+            running = going
+        truncated = [len(t) >= self.budget for t in tokens]
+        self.turn_stats.extend(turns)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": tokens,
+            "logprobs": logprobs,
+            "env_mask": mask,
+            "episode_reward": [
+                float(self.env.final_reward(s, r, t)) for s, r, t in zip(states, rewards, truncated)
+            ],
+        }
+
+    def run(self, coros: list) -> list:
+        """The coroutines, concurrently, on this rollout's event loop."""
+
+        async def together() -> list:
+            return await asyncio.gather(*coros)
+
+        return self.loop.run_until_complete(together())
+
+    async def step(self, state: Any, text: str) -> Any:
+        from data.envs.base import Step
+
+        try:
+            return await self.env.step(state, text)
+        except Exception as e:  # noqa: BLE001 - as the project's runner: the episode ends, scored 0
+            return Step(observation="", reward=0.0, done=True, info={"env_error": f"{type(e).__name__}: {e}"})
+
+    @torch.no_grad()
+    def generate(
+        self, model: Any, contexts: list[list[int]], which: list[int], tokens: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One model turn for each context (left-padded batch): the new ids, cut after the first
+        stop or EOS token and at the episode's room, and their sampling logprobs."""
+        pad = self.tokenizer.pad_token_id
+        width = max(map(len, contexts))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
+        attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        rooms = [self.budget - len(tokens[i]) for i in which]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else None,
+            max_new_tokens=max(rooms),
+            eos_token_id=[self.tokenizer.eos_token_id, *self.stop_ids],
+            pad_token_id=pad,
+            output_scores=True,  # the processed scores: the distribution each token was drawn from
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:]
+        steps = torch.stack(out.scores, dim=1).log_softmax(-1)  # [B, new, vocab]
+        chosen = steps.gather(-1, new[:, : steps.shape[1], None]).squeeze(-1)
+        ends = {self.tokenizer.eos_token_id, *self.stop_ids}
+        result, lps = [], []
+        for row, lp, room in zip(new.tolist(), chosen.tolist(), rooms):
+            n = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
+            n = min(n, room)
+            result.append(row[:n])
+            lps.append(lp[:n])
+        return result, lps
