@@ -545,7 +545,7 @@ def plot_trajectories(runs: dict[str, list[dict[str, str]]], path: Path) -> None
             ax.set_yscale("log")
             ax.axhline(0.2, color="k", ls=":", lw=0.8)  # the detector's ceiling
         if key == "drift/score":
-            ax.axhline(4.0, color="k", ls=":", lw=0.8)  # the alarm threshold
+            ax.axhline(DriftDetector().threshold, color="k", ls=":", lw=0.8)  # the default alarm threshold
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=7)
     fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
@@ -563,8 +563,8 @@ def main() -> None:
     parser.add_argument("--controller", action="store_true", help="add callbacks/drift=controller")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--drop", type=float, default=0.15, help="reward-EMA drop that dates a collapse")
-    parser.add_argument("--threshold", type=float, default=4.0)
-    parser.add_argument("--patience", type=int, default=2)
+    parser.add_argument("--threshold", type=float, help="the detector's alarm threshold (default: its own)")
+    parser.add_argument("--patience", type=int, help="steps over the threshold (default: the detector's)")
     parser.add_argument("--analyze", type=Path, help="only re-read the runs under this directory")
     parser.add_argument(
         "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
@@ -590,7 +590,9 @@ def main() -> None:
     else:
         specs = [cell_spec(k, c, None, ctl) for k in args.lags for c in args.arms or ARMS]
     if args.replay:  # false alarms on runs of any recipe (their metrics.csv)
-        detector = {"threshold": args.threshold, "patience": args.patience}
+        detector = {
+            k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
+        }
         runs = [r for r in args.replay if (r / "metrics.csv").exists()]
         alarms = {str(r): replay(read_metrics(r), 0, **detector) for r in runs}
         fired = {k: v for k, v in alarms.items() if v is not None}
@@ -622,7 +624,9 @@ def main() -> None:
                     )
                     if stored is not None:
                         archive(out, spec, results, args.store, stored, setup)
-    detector = {"threshold": args.threshold, "patience": args.patience}
+    detector = {
+        k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
+    }
     result = table(out, specs, args.seeds, args.drop, detector, stored)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))

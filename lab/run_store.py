@@ -24,7 +24,7 @@ from lab.modes import read_metrics
 
 # what a drift analysis reads: the step, the loss (marks a trained step), the reward, the lag,
 # the detector's signals and diagnostics, the controller's actions, the throughput
-KEEP_PREFIXES = ("train/", "is/", "mismatch/", "drift/", "controller/", "eval/")
+KEEP_PREFIXES = ("train/", "is/", "mismatch/", "drift/", "controller/", "eval/", "ratio/")
 KEEP_KEYS = ("step", "rollout/staleness_max", "perf/samples_per_s", "perf/tokens_per_s", "perf/wall_s")
 # what a run executes (a change here makes the commit ``+dirty``); not docs, nor the stores
 CODE_PATHSPECS = (

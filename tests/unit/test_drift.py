@@ -12,29 +12,41 @@ import torch
 from modules.algo.corrections import M2PO, MaskedIS, NoCorrection, TokenIS, TruncatedTokenIS, VTrace
 from modules.algo.losses import PolicyLoss
 from modules.callbacks.drift_controller import DriftCallback, scale_learning_rate
-from modules.callbacks.drift_score import DriftDetector
+from modules.callbacks.drift_score import DriftDetector, Signal
 from modules.callbacks.weight_sync import WeightSync
 from modules.launch.config_errors import ConfigError
+
+# far over the default KL ceiling (2.0 nats/token): an alarm from the first step
+FAR_KL = 20.0
+# a relative behaviour KL with a ceiling (the default signal before issue 38), for the tests of
+# the baseline's mechanics (skip, lag ramp) that the default's absolute-only KL does not exercise
+RELATIVE_KL = Signal("train/kl_behavior", 1, log=True, min_scale=0.25, floor=1e-6, ceiling=0.2)
 
 
 def healthy(step: int, rng: random.Random) -> dict[str, float]:
     """Stationary diagnostics with realistic noise: behaviour KL ~1e-3 (log-normal), a clip
-    fraction around 5 %, a gradient norm around 0.5."""
+    fraction around 5 %, a gradient norm around 0.5, an ESS fraction around 0.9, a policy
+    entropy around 0.12 nats (log-normal)."""
     return {
         "train/kl_behavior": 1e-3 * math.exp(rng.gauss(0, 0.3)),
         "train/clip_frac": max(0.0, rng.gauss(0.05, 0.01)),
         "train/grad_norm": 0.5 * math.exp(rng.gauss(0, 0.2)),
+        "is/ess_frac": min(1.0, rng.gauss(0.9, 0.01)),
+        "train/entropy": 0.12 * math.exp(rng.gauss(0, 0.05)),
         "train/loss": rng.gauss(0, 1),  # not a signal: ignored
         "rollout/staleness_max": 4.0,  # what the trainer saw (the controller reads it)
     }
 
 
 def drifting(step: int, rng: random.Random, start: int = 40, rate: float = 0.15) -> dict[str, float]:
-    """Healthy until ``start``, then the behaviour KL and gradient norm grow geometrically."""
+    """Healthy until ``start``, then the behaviour KL and gradient norm grow geometrically, the
+    ESS fraction falls and the entropy rises (what the stored collapses showed)."""
     m = healthy(step, rng)
     if step >= start:
         m["train/kl_behavior"] *= math.exp(rate * (step - start))
         m["train/grad_norm"] *= math.exp(0.5 * rate * (step - start))
+        m["is/ess_frac"] *= math.exp(-0.5 * rate * (step - start))
+        m["train/entropy"] *= math.exp(0.5 * rate * (step - start))
     return m
 
 
@@ -62,9 +74,9 @@ def test_alarms_soon_after_drift_starts_and_names_the_driver():
         rng = random.Random(seed)
         readings = [det.update(drifting(t, rng)) for t in range(120)]
         first = next(r for r in readings if r.alarm)
-        # log KL rises 0.15 per step; baseline spread floor 0.25: z 4 after ~7 steps, then EWMA + patience
+        # the ESS fraction falls 7 % a step against a spread floor of 0.02: z 2.5 within a few steps
         assert 40 < first.step <= 40 + 20, (seed, first.step)
-        assert first.driver in ("train/kl_behavior", "train/grad_norm")
+        assert first.driver in ("is/ess_frac", "train/entropy")
         assert all(not r.alarm for r in readings[:40])
 
 
@@ -154,12 +166,19 @@ class FakeDataModule:
         self.bound = value
 
 
-def make_run(lag: int = 0, bound: int | None = None, lr: float = 1e-3, loss: PolicyLoss | None = None, **kw):
+def make_run(
+    lag: int = 0,
+    bound: int | None = None,
+    lr: float = 1e-3,
+    loss: PolicyLoss | None = None,
+    detector: DriftDetector | None = None,
+    **kw,
+):
     param = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([param], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     ws = WeightSync(verify=False, lag=lag)
-    cb = DriftCallback(DriftDetector(), actions=kw.pop("actions", ["staleness", "lr"]), **kw)
+    cb = DriftCallback(detector or DriftDetector(), actions=kw.pop("actions", ["staleness", "lr"]), **kw)
     trainer = SimpleNamespace(
         world_size=1,
         callbacks=[cb, ws],
@@ -336,9 +355,9 @@ def test_detector_waits_for_the_lag_ramp():
         m["rollout/staleness_max"] = float(t)
         out = feed(cb, trainer, module, logged, m)
         # no baseline from the ramp; only the absolute ceilings score (far below them here)
-        assert not cb.detector.history["train/kl_behavior"] and out["drift/score"] < 2.0
+        assert not cb.detector.history["is/ess_frac"] and out["drift/score"] < 2.0
     feed(cb, trainer, module, logged, healthy(4, rng))  # staleness 4 = K
-    assert len(cb.detector.history["train/kl_behavior"]) == 1
+    assert len(cb.detector.history["is/ess_frac"]) == 1
 
 
 def test_scale_learning_rate_without_scheduler():
@@ -359,6 +378,71 @@ def test_config_group_composes(tmp_path):
     assert "drift" not in compose([]).callbacks  # opt-in
 
 
+# the detector shipped before issue 38, for the comparisons below
+SHIPPED = [
+    RELATIVE_KL,
+    Signal("train/clip_frac", 1, min_scale=0.02, ceiling=0.2),
+    Signal("train/grad_norm", 1, log=True, min_scale=0.25),
+    Signal("is/ess_frac", -1, min_scale=0.02, ceiling=0.1),
+]
+
+
+def slow_healthy(t: int, rng: random.Random) -> dict[str, float]:
+    """A healthy lagged run as the stored K = 8 runs that never collapsed: the behaviour KL grows
+    6x over 60 steps past its 0.2 ceiling of old, the gradient norm spikes 10x now and then, the
+    ESS fraction holds, the entropy falls slowly (the policy sharpens)."""
+    return {
+        "train/kl_behavior": 0.05 * math.exp(0.03 * t + rng.gauss(0, 0.3)),
+        "train/grad_norm": 0.4 * math.exp(rng.gauss(0, 0.3)) * (10.0 if t % 20 == 15 else 1.0),
+        "train/clip_frac": 0.0,
+        "is/ess_frac": min(1.0, rng.gauss(0.9, 0.01)),
+        "train/entropy": 0.12 * math.exp(-0.005 * t + rng.gauss(0, 0.05)),
+    }
+
+
+def precursor(t: int, rng: random.Random, start: int = 20) -> dict[str, float]:
+    """The same run drifting into a collapse 20 steps after ``start``: from ``start`` on the ESS
+    fraction falls 0.015 a step and the entropy rises 2 % a step."""
+    m = slow_healthy(t, rng)
+    if t >= start:
+        m["is/ess_frac"] -= 0.015 * (t - start)
+        m["train/entropy"] *= math.exp(0.02 * (t - start))
+    return m
+
+
+def test_a_slow_healthy_drift_is_quiet_where_the_old_default_alarmed():
+    old = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = [slow_healthy(t, rng) for t in range(60)]
+        det, before = DriftDetector(), DriftDetector(signals=SHIPPED, threshold=4.0, patience=2)
+        assert not any(det.update(m, learn=t >= 8).alarm for t, m in enumerate(stream)), seed
+        old += any(before.update(m, learn=t >= 8).alarm for t, m in enumerate(stream))
+    assert old >= 15  # the KL past 0.2 (and the spikes): the old default called these drift
+
+
+def test_a_collapse_precursor_alarms_at_least_10_steps_ahead():
+    for seed in range(20):
+        rng = random.Random(seed)
+        det = DriftDetector()
+        readings = [det.update(precursor(t, rng), learn=t >= 8) for t in range(60)]
+        first = next(r for r in readings if r.alarm)
+        assert 20 < first.step <= 40 - 10, (seed, first.step)  # collapse at 40: >= 10 steps ahead
+        assert first.driver in ("is/ess_frac", "train/entropy")
+
+
+def test_an_absolute_only_signal_has_no_baseline_and_non_finite_values_count_from_the_first_step():
+    det = DriftDetector(
+        signals=[Signal("x", 1, ceiling=1.0, relative=False), Signal("y", relative=False)], warmup=3
+    )
+    for _ in range(10):
+        r = det.update({"x": 0.5, "y": 3.0})
+        assert not r.alarm and r.relative == 0.0 and r.ceiling == pytest.approx(0.5 * det.threshold)
+    assert not det.history["x"] and not det.baseline
+    assert DriftDetector(signals=[Signal("y", relative=False)]).update({"y": math.nan}).alarm
+    assert DriftDetector(warmup=3).update({"train/entropy": math.inf}).alarm  # a relative one too
+
+
 def test_on_policy_float_noise_in_the_kl_is_quiet():
     # lag 0, one minibatch: KL(mu || pi) is float noise of either sign around 0
     det = DriftDetector()
@@ -373,7 +457,7 @@ def test_skip_keeps_a_lag_ramp_out_of_the_baseline():
     def ramp(t, rng):
         return {"train/kl_behavior": 1e-3 * min(t + 1, 5) * math.exp(rng.gauss(0, 0.3))}
 
-    det = DriftDetector(skip=4)
+    det = DriftDetector(signals=[RELATIVE_KL], skip=4)
     rng = random.Random(8)
     readings = [det.update(ramp(t, rng)) for t in range(200)]
     assert all(r.score < 0.5 for r in readings[:14])  # 4 skipped + 10 of warm-up: ceilings only
@@ -422,10 +506,14 @@ def test_staleness_halves_on_alarm_and_relaxes_one_version_at_a_time():
     bounds = []
     for t in range(8):  # far over the KL ceiling from the first step (ramp included)
         feed(
-            cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": float(min(t, 8))}
+            cb,
+            trainer,
+            module,
+            logged,
+            {"train/kl_behavior": FAR_KL, "rollout/staleness_max": float(min(t, 8))},
         )
         bounds.append(ws.lag)
-    assert bounds[0] == 8 and 4 in bounds and 2 in bounds and min(bounds) >= 1
+    assert bounds[0] == 4 and 2 in bounds and min(bounds) >= 1  # patience 1: step 0 already cuts 8 -> 4
     cut = ws.lag
     seen = [cut]
     for _ in range(200):
@@ -441,10 +529,14 @@ def test_staleness_halves_on_alarm_and_relaxes_one_version_at_a_time():
 
 def test_a_cut_during_the_lag_ramp_relaxes_back_to_k_and_the_baseline_is_fitted_there():
     # K = 8; a KL spike in the first steps cuts the lag during the ramp; afterwards the KL is
-    # healthy but grows with the lag (0.002 s^2: 10x below its ceiling at K). The baseline must
+    # healthy but grows with the lag (0.002 s^2: below its ceiling 0.2 at K). The baseline must
     # wait for the configured K, so relaxing back towards K does not read as drift.
     cb, trainer, module, ws, opt, sched, logged = make_run(
-        lag=8, relax_after=10, cooldown=5, actions=["staleness"]
+        lag=8,
+        relax_after=10,
+        cooldown=5,
+        actions=["staleness"],
+        detector=DriftDetector(signals=[RELATIVE_KL]),
     )
     rng = random.Random(0)
     s = 0
@@ -460,7 +552,7 @@ def test_a_cut_during_the_lag_ramp_relaxes_back_to_k_and_the_baseline_is_fitted_
 def test_a_signal_below_its_ceiling_does_not_block_relaxation():
     cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, relax_after=5, actions=["lr"])
     for _ in range(20):
-        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 4.0})
+        feed(cb, trainer, module, logged, {"train/kl_behavior": FAR_KL, "rollout/staleness_max": 4.0})
     assert cb.lr_scale < 1
     for _ in range(300):  # healthy, with a steady clip fraction at 0.6 of its ceiling
         out = feed(
@@ -497,7 +589,7 @@ def test_lr_floor_is_reached_from_a_partly_relaxed_scale():
     cb.lr_scale = 0.125 * 2**0.75  # left there by a partial relaxation
     cb.notches = [("lr", 0.125 * 2**0.75, 2**0.25)]
     for _ in range(12):
-        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 1.0})
+        feed(cb, trainer, module, logged, {"train/kl_behavior": FAR_KL, "rollout/staleness_max": 1.0})
     assert cb.lr_scale == pytest.approx(0.125)  # cut to the floor, not stuck above it
 
 
@@ -510,7 +602,7 @@ def test_bad_ceiling_names_the_signal(ceiling):
 
 
 def test_skip_counts_learning_steps_only():
-    det = DriftDetector(skip=3, warmup=3)
+    det = DriftDetector(signals=[Signal("train/clip_frac", 1, min_scale=0.02)], skip=3, warmup=3)
     for _ in range(5):
         det.update({"train/clip_frac": 0.01}, learn=False)  # a ramp: not counted
     assert det.learned == 0 and not det.history["train/clip_frac"]
@@ -526,7 +618,7 @@ def test_an_lr_cut_is_undone_in_lr_relax_steps_geometric_steps():
         lag=4, relax_after=3, actions=["lr"], lr_relax_steps=4
     )
     for _ in range(4):  # one alarm, one cut (cooldown 5)
-        feed(cb, trainer, module, logged, {"train/kl_behavior": 2.0, "rollout/staleness_max": 4.0})
+        feed(cb, trainer, module, logged, {"train/kl_behavior": FAR_KL, "rollout/staleness_max": 4.0})
     assert cb.lr_scale == pytest.approx(0.5) and len(cb.notches) == 1
     scales = []  # (the smoothed KL takes a few steps to fall: it may cut once more first)
     for _ in range(100):
@@ -548,7 +640,7 @@ def alarm_then_quiet(cb, trainer, module, logged, alarm_steps: int, quiet_steps:
     """Far over the KL ceiling for ``alarm_steps``, then healthy; the correction's limit per step."""
     limits = []
     for t in range(alarm_steps + quiet_steps):
-        kl = 2.0 if t < alarm_steps else 1e-3
+        kl = FAR_KL if t < alarm_steps else 1e-3
         feed(cb, trainer, module, logged, {"train/kl_behavior": kl, "rollout/staleness_max": 4.0})
         limits.append(module.loss_fn.correction.limit)
     return limits

@@ -1,0 +1,129 @@
+"""``lab.detector_eval``: the replay, the grid's shortcut and the scoring, on hand-made runs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lab.detector_eval import (
+    SHIPPED,
+    EssThreshold,
+    Run,
+    Traces,
+    VcpoRule,
+    detector_of,
+    first_alarm,
+    grid_configs,
+    ranked,
+    replayed,
+    score,
+    trained_steps,
+)
+from lab.drift_grid import replay
+from modules.callbacks.drift_score import DriftDetector
+
+
+def rows(n: int, lag: int, seed: int, drift_at: int | None = None) -> list[dict[str, str]]:
+    """metrics.csv rows: trained steps with a delayed sync's ramp to ``lag``, one evaluation
+    row in between; from ``drift_at`` on the ESS falls, the entropy, KL and grad norm rise."""
+    rng, out = random.Random(seed), []
+    for t in range(n):
+        k = max(0, t - drift_at) if drift_at is not None else 0
+        m = {
+            "step": t,
+            "train/loss": 0.1,
+            "rollout/staleness_max": min(t, lag),
+            "is/ess_frac": min(1.0, rng.gauss(0.9, 0.02)) * math.exp(-0.05 * k),
+            "train/entropy": 0.12 * math.exp(rng.gauss(0, 0.1) + 0.05 * k),
+            "train/kl_behavior": 0.05 * math.exp(rng.gauss(0, 0.3) + 0.1 * k),
+            "train/grad_norm": 0.5 * math.exp(rng.gauss(0, 0.3) + 0.05 * k),
+            "train/clip_frac": max(0.0, rng.gauss(0.03, 0.01)),
+            "is/weight_max": 3.0 * math.exp(rng.gauss(0, 0.2) + 0.1 * k),
+        }
+        out.append({key: str(v) for key, v in m.items()})
+        if t == n // 2:
+            out.append({"step": str(t), "eval/reward_mean": "0.5"})  # not a trained step
+    return out
+
+
+def run_of(
+    r: list[dict[str, str]], lag: int, collapse: int | None, rule: str | None = "drop", seed: int = 1
+) -> Run:
+    return Run("x", "store", seed, lag, trained_steps(r, lag), collapse is not None, collapse, rule, 0.0)
+
+
+def test_the_replay_feeds_what_the_monitor_feeds():
+    for lag, drift_at in ((0, 30), (4, 25), (8, None)):
+        r = rows(60, lag, seed=lag, drift_at=drift_at)
+        run = run_of(r, lag, None)
+        assert len(run.steps) == 60 and [learn for *_, learn in run.steps][: lag + 1] == [False] * lag + [
+            True
+        ]
+        assert first_alarm(DriftDetector(**SHIPPED), run) == replay(r, lag, **SHIPPED)
+        assert first_alarm(DriftDetector(), run) == replay(r, lag)
+
+
+def test_the_grid_shortcut_agrees_with_a_replay_of_the_detector_it_stands_for():
+    runs = [
+        run_of(rows(50, lag, seed=s, drift_at=d), lag, None)
+        for s, (lag, d) in enumerate([(0, 20), (2, None), (8, 30)])
+    ]
+    traces = Traces(runs)
+    configs = grid_configs()
+    assert len(configs) > 1000
+    for config in configs[:: len(configs) // 60]:
+        assert traces.alarms(config) == replayed(lambda c=config: detector_of(c), runs), config
+
+
+def test_scores_count_false_alarms_misses_and_leads_and_leave_undated_collapses_out():
+    runs = [
+        run_of([], 0, None),  # healthy, alarmed: a false alarm
+        run_of([], 0, None),  # healthy, quiet
+        run_of([], 0, 40),  # sharp collapse, alarmed 15 steps ahead
+        run_of([], 0, 30, rule="below_start"),  # a slide, alarmed 5 steps late
+        run_of([], 0, 50),  # missed
+        Run("u", "store", 1, 0, [], True, None, None, 0.0),  # collapsed, never dated
+    ]
+    s = score(runs, [10, None, 25, 35, None, 3])
+    assert (s["false_alarms"], s["healthy"], s["missed"], s["collapsed"], s["undated"]) == (1, 2, 1, 3, 1)
+    assert s["leads"] == [-5, 15] and s["median_lead"] == 5 and s["timely"] == 1
+    assert s["median_lead_sharp"] == 15 and s["sharp"] == "1/2 alarmed"
+
+
+def test_the_rule_keeps_the_goal_then_the_most_timely_alarms():
+    def s(fa, healthy, timely, med):
+        return {"false_alarms": fa, "healthy": healthy, "timely": timely, "median_lead": med}
+
+    entries = [
+        ({"signals": ["a"], "threshold": 3}, s(2, 7, 20, 30)),  # too many false alarms
+        ({"signals": ["a"], "threshold": 3}, s(0, 7, 20, 8)),  # lead below 10
+        ({"signals": ["a", "b"], "threshold": 3}, s(1, 7, 12, 15)),
+        ({"signals": ["a"], "threshold": 4}, s(1, 7, 12, 15)),  # same numbers, fewer signals
+        ({"signals": ["a"], "threshold": 3}, s(0, 7, 11, 25)),
+    ]
+    order = ranked(entries)
+    assert [e[0] for e in order] == [entries[3][0], entries[2][0], entries[4][0]]
+
+
+def test_verl_and_vcpo_rules():
+    assert not EssThreshold(0.3).update({"is/ess_frac": 1.0})  # bypass: nothing to see
+    assert not EssThreshold(0.3).update({"train/grad_norm": 1.0})
+    assert EssThreshold(0.3).update({"is/ess_frac": 0.2})
+    rule = VcpoRule(ess_drop=0.5, spike=5.0, window=3, warmup=5)
+    quiet = {"is/ess_frac": 0.9, "train/grad_norm": 1.0}
+    assert not any(rule.update(quiet) for _ in range(10))
+    assert not rule.update({"is/ess_frac": 0.9, "train/grad_norm": 10.0})  # a spike alone
+    assert not rule.update(quiet) and rule.update({"is/ess_frac": 0.3, "train/grad_norm": 1.0})  # + a drop
+    bypass = VcpoRule(ess_drop=0.5, spike=5.0, window=3, warmup=5)
+    spikes = [{"is/ess_frac": 1.0, "train/grad_norm": 100.0 if t > 10 else 1.0} for t in range(20)]
+    assert not any(bypass.update(m) for m in spikes)  # ESS at 1: the drop never comes
+
+
+@pytest.mark.parametrize("lag", [0, 4])
+def test_the_default_alarms_on_the_drift_and_not_before(lag):
+    run = run_of(rows(60, lag, seed=3, drift_at=30), lag, 45)
+    first = first_alarm(DriftDetector(), run)
+    assert first is not None and 30 < first <= 40
+    assert first_alarm(DriftDetector(), run_of(rows(60, lag, seed=3), lag, None)) is None
