@@ -455,9 +455,11 @@ def short(spec: str) -> str:
 
 
 def reward_text(cell: dict) -> str:
-    """One cell of the reward table: mean +- sd (n evaluated), stopped runs, collapses."""
+    """One cell of the reward table: mean +- sd (n evaluated), greedy, stopped runs, collapses."""
     n = cell["n"] - cell["unevaluated"]
     text = f"{cell['final_sampled_mean']:.3f} +- {cell['final_sampled_std']:.3f} ({n})" if n else "-"
+    if n and math.isfinite(cell.get("greedy_mean", math.nan)):
+        text += f" / {cell['greedy_mean']:.3f}"
     if cell["unevaluated"]:
         text += f", {cell['unevaluated']} stopped"
     if cell["collapsed"]:
@@ -503,7 +505,7 @@ def markdown(cells: dict[str, dict], start: float) -> str:
     used = {c for _, c in grid}
     cols = [c for c in dict.fromkeys([*ARMS, *CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
     titles = {
-        reward_text: "Final held-out sampled reward, mean +- sd (n seeds); collapsed = final below the "
+        reward_text: "Final held-out sampled reward, mean +- sd (n seeds) / greedy mean; collapsed = final below the "
         f"warm start ({start:.3f})",
         diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
         "behaviour KL / clip fraction",

@@ -15,12 +15,14 @@ every episode still running, then every environment step of that turn concurrent
 latency model included), then the next turn for the episodes that go on.
 
 The episode rules are those of ``data/envs/episodes.py``: a turn ends at an ``env.stop`` token,
-EOS or the budget; the turn's text goes to ``env.step``, whose observation is tokenised once
-and appended (mask 0); the episode ends when the environment says done, the model writes EOS,
-``env.max_turns`` turns are done or its tokens (model and observation) reach the budget
-(``env.max_total_tokens`` or ``rollout.sampling.max_tokens``); its reward is
-``env.final_reward``. Behaviour logprobs are the sampling distribution's (after temperature /
-top-k / top-p), as the engine's ``processed_logprobs`` are.
+EOS, ``env.max_turn_tokens`` or the budget; the turn's text goes to ``env.step``, whose
+observation is tokenised once and appended (mask 0); the episode ends when the environment says
+done, the model writes EOS, ``env.max_turns`` turns are done or its tokens (model and
+observation) reach the budget (``env.max_total_tokens`` or ``rollout.sampling.max_tokens``);
+its reward is ``env.final_reward``, ``truncated`` as the runner's ``finish_reason == "length"``.
+Behaviour logprobs are the sampling distribution's (after temperature / top-k / top-p), as the
+engine's ``processed_logprobs`` are; with ``use_vllm=False`` TRL reads them nowhere in the loss
+(its ratio's anchor is its own recomputed logprobs), so they are returned for completeness.
 """
 
 from __future__ import annotations
@@ -44,9 +46,19 @@ class EpisodeRollout:
         self.top_p = float(sampling.top_p)
         self.top_k = int(sampling.top_k)
         self.budget = int(env.max_total_tokens or sampling.max_tokens)
-        self.stop_ids = [tokenizer(s, add_special_tokens=False)["input_ids"][0] for s in env.stop]
+        self.turn_cap = env.max_turn_tokens  # None: only the episode's budget
+        self.stop_ids = []
+        for s in env.stop:  # as EpisodeRunner: each stop must be one token
+            ids = tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(
+                    f"env.stop: {s!r} is {len(ids)} tokens for this tokenizer; each stop must be one token"
+                )
+            self.stop_ids.append(int(ids[0]))
         self.loop = asyncio.new_event_loop()
         self.turn_stats: list[list[dict]] = []
+        # mean episode length of the last call, model and observation tokens (as the project counts)
+        self.response_len_mean = float("nan")
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, list]:
         from trl.models import unwrap_model_for_generation
@@ -68,12 +80,18 @@ class EpisodeRollout:
         mask: list[list[int]] = [[] for _ in rows]
         rewards: list[list[float]] = [[] for _ in rows]
         turns: list[list[dict]] = [[] for _ in rows]
+        truncated = [False] * len(rows)  # EpisodeRunner's finish == "length"
         running = list(range(len(rows)))
         for turn in range(self.env.max_turns):
-            running = [i for i in running if len(tokens[i]) < self.budget]
+            for i in running:
+                truncated[i] = len(tokens[i]) >= self.budget  # an observation filled the budget
+            running = [i for i in running if not truncated[i]]
             if not running:
                 break
-            new, lps = self.generate(model, [prompt_ids[i] + tokens[i] for i in running], running, tokens)
+            caps = [self.budget - len(tokens[i]) for i in running]
+            if self.turn_cap is not None:
+                caps = [min(c, self.turn_cap) for c in caps]
+            new, lps = self.generate(model, [prompt_ids[i] + tokens[i] for i in running], caps)
             texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
             steps = self.run([self.step(states[i], text) for i, text in zip(running, texts)])
             going = []
@@ -83,9 +101,13 @@ class EpisodeRollout:
                 mask[i] += [1] * len(ids)
                 rewards[i].append(float(step.reward))
                 turns[i].append({"reward": float(step.reward), "done": bool(step.done), **step.info})
-                eos = not ids or ids[-1] not in self.stop_ids and ids[-1] == self.tokenizer.eos_token_id
+                ended_by_stop = ids[-1] in self.stop_ids
+                eos = not ended_by_stop and ids[-1] == self.tokenizer.eos_token_id
                 room = self.budget - len(tokens[i])
-                if eos or step.done or room <= 0 or turn + 1 >= self.env.max_turns:
+                last = turn + 1 >= self.env.max_turns
+                if eos or step.done or room <= 0 or last:
+                    cut = not (eos or ended_by_stop) and room <= 0  # the budget cut the model's turn
+                    truncated[i] = cut or not (eos or step.done or last)
                     continue
                 obs = list(self.tokenizer(step.observation, add_special_tokens=False)["input_ids"])[:room]
                 tokens[i] += obs
@@ -93,8 +115,8 @@ class EpisodeRollout:
                 mask[i] += [0] * len(obs)
                 going.append(i)
             running = going
-        truncated = [len(t) >= self.budget for t in tokens]
         self.turn_stats.extend(turns)
+        self.response_len_mean = sum(map(len, tokens)) / max(1, len(tokens))
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": tokens,
@@ -123,15 +145,16 @@ class EpisodeRollout:
 
     @torch.no_grad()
     def generate(
-        self, model: Any, contexts: list[list[int]], which: list[int], tokens: list[list[int]]
+        self, model: Any, contexts: list[list[int]], caps: list[int]
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One model turn for each context (left-padded batch): the new ids, cut after the first
-        stop or EOS token and at the episode's room, and their sampling logprobs."""
+        stop or EOS token and at the turn's cap (``caps``, >= 1 each), and their sampling
+        logprobs. A row sampled past its cap is cut there: its first ``cap`` tokens are drawn
+        as with ``max_tokens=cap``."""
         pad = self.tokenizer.pad_token_id
         width = max(map(len, contexts))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
         attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
-        rooms = [self.budget - len(tokens[i]) for i in which]
         out = model.generate(
             input_ids=ids,
             attention_mask=attention,
@@ -139,7 +162,7 @@ class EpisodeRollout:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else None,
-            max_new_tokens=max(rooms),
+            max_new_tokens=max(caps),
             eos_token_id=[self.tokenizer.eos_token_id, *self.stop_ids],
             pad_token_id=pad,
             output_scores=True,  # the processed scores: the distribution each token was drawn from
@@ -150,9 +173,9 @@ class EpisodeRollout:
         chosen = steps.gather(-1, new[:, : steps.shape[1], None]).squeeze(-1)
         ends = {self.tokenizer.eos_token_id, *self.stop_ids}
         result, lps = [], []
-        for row, lp, room in zip(new.tolist(), chosen.tolist(), rooms):
+        for row, lp, cap in zip(new.tolist(), chosen.tolist(), caps):
             n = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
-            n = min(n, room)
+            n = min(n, cap)
             result.append(row[:n])
             lps.append(lp[:n])
         return result, lps

@@ -28,6 +28,7 @@ after ``--``), mapped field by field:
           TRL's per-token beta * k3 * ratio has value k3 and gradient -log(rho) grad log pi, the
           project's k3 term's gradient; both are token means, so they match term for term
     module.optimizer (AdamW lr, betas, weight decay), constant lr, trainer.gradient_clip_val
+    module.gradient_checkpointing (default false)      -> gradient_checkpointing (TRL's default: true)
     trainer.max_steps                                  -> max_steps
 
 Differences that remain: TRL generates with plain ``transformers`` ``generate`` in the training
@@ -111,6 +112,7 @@ def main() -> None:
 
     from datasets import Dataset
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -182,6 +184,8 @@ def main() -> None:
         optim="adamw_torch",
         shuffle_dataset=False,
         disable_dropout=True,
+        # as the project's trainer (TRL defaults to True: one more forward per backward)
+        gradient_checkpointing=bool(OmegaConf.select(cfg, "module.gradient_checkpointing", default=False)),
         use_vllm=False,
         use_cpu=True,
         bf16=False,
@@ -216,7 +220,12 @@ def main() -> None:
             if state.global_step and self.rows and self.rows[-1]["step"] == state.global_step - 1:
                 row = self.rows[-1]
                 row["train/reward_mean"] = logs.get("reward", row.get("train/reward_mean", float("nan")))
-                row["train/response_len_mean"] = logs.get("completions/mean_length", float("nan"))
+                # the project's: every episode token (TRL's mean_length counts env_mask = 1 only)
+                row["train/response_len_mean"] = (
+                    rollout_func.response_len_mean
+                    if rollout_func is not None
+                    else logs.get("completions/mean_length", float("nan"))
+                )
                 row["train/loss"] = logs.get("loss", float("nan"))
 
         def on_step_end(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -106,3 +106,35 @@ def test_trl_episodes_follow_the_projects_episode_rules(models):
     assert out["episode_reward"] == [1.0, 0.0]
     assert len(out["completion_ids"][1]) == 24 and out["env_mask"][1] == [1] * 24  # cut by the budget
     assert rollout.turn_stats[0][0]["valid_call"] is True and rollout.turn_stats[0][1]["done"] is True
+    assert rollout.response_len_mean == (10 + 24) / 2  # every episode token, as the project counts
+
+
+def test_trl_episodes_truncate_and_cap_turns_as_the_episode_runner(models):
+    """``truncated`` (given to ``env.final_reward``) is the runner's ``finish_reason == "length"``:
+    not for an answer that ends with EOS exactly at the budget, yes for a turn the budget cuts;
+    ``env.max_turn_tokens`` caps each model turn (a capped turn is answered like any other)."""
+    from transformers import AutoTokenizer
+
+    from data.tasks.calculator import CalculatorEnv, CalculatorTask
+    from tools.trl_episodes import EpisodeRollout
+
+    class Env(CalculatorEnv):
+        def final_reward(self, state, rewards, truncated):
+            return float(truncated)
+
+    tok = AutoTokenizer.from_pretrained(models["tied"])
+    task = CalculatorTask()
+    rows = [{"prompt": "47*38?", "answer": "1786"}, {"prompt": "9*9?", "answer": "81"}]
+    texts = {task.prompt_text(r): r for r in rows}
+    prompts = [task.prompt_text(r) for r in rows]
+
+    def rollout(budget, **env):
+        sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=budget)
+        return EpisodeRollout(Env(**env), task, texts, tok, sampling).episodes(prompts, ScriptedModel(tok))
+
+    out = rollout(10, max_turns=3)  # "c=" "1786;" "a." EOS: 10 tokens, the last one EOS
+    assert len(out["completion_ids"][0]) == 10 and out["episode_reward"] == [0.0, 1.0]
+    out = rollout(9, max_turns=3)  # the answer's turn cut before its EOS
+    assert len(out["completion_ids"][0]) == 9 and out["episode_reward"] == [1.0, 1.0]
+    out = rollout(24, max_turns=1, max_turn_tokens=5)  # one turn of at most 5 tokens, then scored
+    assert [len(c) for c in out["completion_ids"]] == [2, 5] and out["episode_reward"] == [0.0, 0.0]
