@@ -127,6 +127,11 @@ class EpisodeRollout:
             ],
         }
 
+    def close(self) -> None:
+        """Stop the environment (its tool runner, a tool server it started) and the event loop."""
+        self.env.close()
+        self.loop.close()
+
     def run(self, coros: list) -> list:
         """The coroutines, concurrently, on this rollout's event loop."""
 

@@ -254,7 +254,11 @@ def main() -> None:
         callbacks=[clock],
         rollout_func=rollout_func,
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if rollout_func is not None:  # the environment's tools (an HTTP server, workers) and loop
+            rollout_func.close()
     model.save_pretrained(run_dir / "hf_model", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "hf_model")
     write_run(run_dir, overrides, clock.rows)

@@ -106,6 +106,8 @@ def test_trl_episodes_follow_the_projects_episode_rules(models):
     assert out["episode_reward"] == [1.0, 0.0]
     assert len(out["completion_ids"][1]) == 24 and out["env_mask"][1] == [1] * 24  # cut by the budget
     assert rollout.turn_stats[0][0]["valid_call"] is True and rollout.turn_stats[0][1]["done"] is True
+    rollout.close()  # the environment's tool runner and the rollout's loop
+    assert rollout.loop.is_closed()
     assert rollout.response_len_mean == (10 + 24) / 2  # every episode token, as the project counts
 
 
