@@ -1,10 +1,14 @@
 """Per-token advantages from a critic: GAE, and V-trace for samples from an older policy.
 
-Pure functions of tensors, ``[B, T]`` over response tokens, right-padded (``mask`` 1 on real
-tokens, a contiguous prefix of each row). ``values[b, t]`` is the critic's estimate of the
-return from token t on (the state before token t is sampled); a response ends after its last
-real token, where the value is 0 (terminal: an episode is one response). ``rewards[b, t]`` is
-the reward on token t: the outcome reward on the last token, plus any per-token shaping.
+Pure functions of tensors, ``[B, T]`` over response tokens (``mask`` 1 on the tokens the model
+sampled). ``values[b, t]`` is the critic's estimate of the return from token t on (the state
+before token t is sampled); a response ends after its last real token, where the value is 0
+(terminal). ``rewards[b, t]`` is the reward on token t: the outcome reward on the last token,
+plus any per-token shaping. The recursions run over the masked-in tokens only, in order: a
+multi-turn episode's observation tokens (mask 0 between two model turns) are part of the
+environment's transition, so the next state after a turn's last token is the next turn's first
+token, whose value already reads the observation (``_over_model_tokens``). For a right-padded
+response (mask a prefix of the row) that is the plain recursion.
 
 * ``gae``: Schulman et al.'s generalised advantage estimation,
   ``A_t = sum_k (gamma lam)^k delta_{t+k}``, ``delta_t = r_t + gamma V_{t+1} - V_t``; the value
@@ -34,6 +38,26 @@ def _check(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> t
     return mask.to(values.dtype)
 
 
+def _over_model_tokens(fn, tensors: tuple[torch.Tensor, ...], mask: torch.Tensor) -> tuple:
+    """``fn(*tensors, mask)`` run over each row's masked-in tokens, compacted to a right-padded
+    prefix, its outputs put back in place (0 elsewhere): observation tokens between two model
+    turns are skipped, not read as the episode's end. A mask that is already a prefix of each
+    row (one-turn responses) goes straight through."""
+    m = mask > 0
+    counts = m.sum(dim=1)
+    if bool((m == (torch.arange(m.shape[1], device=m.device)[None, :] < counts[:, None])).all()):
+        return fn(*tensors, mask)
+    width = int(counts.max())
+    # a stable sort puts each row's masked-in positions first, in their order
+    order = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    keep = (torch.arange(width, device=m.device)[None, :] < counts[:, None]).to(mask.dtype)
+    outs = fn(*(t.gather(1, order) * keep.to(t.dtype) for t in tensors), keep)
+    return tuple(
+        torch.zeros(mask.shape, dtype=o.dtype, device=o.device).scatter(1, order, o * keep.to(o.dtype))
+        for o in outs
+    )
+
+
 def _next_values(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """V_{t+1}, 0 after a response's last real token (terminal) and on padding."""
     nxt = torch.zeros_like(values)
@@ -44,8 +68,15 @@ def _next_values(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, value targets), both ``[B, T]`` and 0 on padding."""
-    m = _check(rewards, values, mask)
+    """(advantages, value targets), both ``[B, T]`` and 0 off the mask."""
+    _check(rewards, values, mask)
+    return _over_model_tokens(lambda r, v, m: _gae(r, v, m, gamma, lam), (rewards, values), mask)
+
+
+def _gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m = mask.to(values.dtype)
     delta = (rewards + gamma * _next_values(values, m) - values) * m
     adv = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
@@ -70,7 +101,26 @@ def vtrace(
     log pi - log mu per token (detached: targets carry no gradient). ``rho_in_advantage=False``
     leaves rho_s out of the policy advantage, for objectives whose ratio already weights it
     (PPO-clip's pi / pi_old is pi / mu in the bypass anchor)."""
-    m = _check(rewards, values, mask)
+    _check(rewards, values, mask)
+    return _over_model_tokens(
+        lambda r, v, lr, m: _vtrace(r, v, lr, m, gamma, lam, rho_bar, c_bar, rho_in_advantage),
+        (rewards, values, log_ratio),
+        mask,
+    )
+
+
+def _vtrace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    rho_bar: float,
+    c_bar: float,
+    rho_in_advantage: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m = mask.to(values.dtype)
     ratio = torch.exp(log_ratio.detach()) * m
     rho = torch.clamp(ratio, max=rho_bar)
     c = lam * torch.clamp(ratio, max=c_bar)

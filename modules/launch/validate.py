@@ -189,15 +189,6 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
     """Settings that run without error but make the estimator learn nothing or nonsense."""
     rollout, algo = cfg.rollout, cfg.algo
     group_size = rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
-    # the critic's GAE / V-trace reads a masked token as the end of the episode: an episode's
-    # observations would cut every turn but the last off the reward (not supported yet)
-    check(
-        "module.critic",
-        "set" if cfg.module.get("critic") is not None else None,
-        cfg.module.get("critic") is None or cfg.get("env") is None,
-        "null (module/critic=null) with a multi-turn env; a critic over "
-        "episodes with observation tokens is not supported yet",
-    )
     # with a critic (recipe=ppo) the advantages are the critic's: one response per prompt is fine
     if builds(algo.advantage, GroupAdvantage) and group_size >= 1 and cfg.module.get("critic") is None:
         check(

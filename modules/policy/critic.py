@@ -21,7 +21,10 @@ Design (why it differs from a textbook PPO-RLHF critic):
   policy's returns. The seeds name V-trace for this; recomputing GAE with the current critic
   alone would still evaluate the behaviour policy.
 * **Rewards** are the outcome reward (after any shaping) on each response's last token;
-  ``gamma = lam = 1`` by default (one episode per response, as in PPO for LLMs).
+  ``gamma = lam = 1`` by default (one episode per response, as in PPO for LLMs). A multi-turn
+  episode (``env=...``) is one response whose observation tokens are masked out: V-trace runs
+  over its model tokens only, so the state after a turn is the next turn's first token, whose
+  value reads the observation (``python train.py recipe=ppo env=calculator task=calculator``).
 * **Whitening**: advantages to zero mean, unit variance over the global batch's tokens (sums
   all-reduced under DDP), then the policy objective takes them per token.
 * **Value loss**: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)``, token-mean

@@ -148,3 +148,43 @@ def test_vtrace_can_leave_rho_out_of_the_policy_advantage():
     assert torch.equal(v, v_w)  # the targets are the same
     assert adv.tolist()[0] == pytest.approx([v[0, 1].item() - 0.4, 1.0 - 0.6])
     assert adv_w.tolist()[0] == pytest.approx([1.0 * adv[0, 0].item(), 0.5 * adv[0, 1].item()])
+
+
+def test_episode_observations_are_skipped_not_read_as_the_end():
+    """A multi-turn episode's row (model turn, observation tokens with mask 0, model turn,
+    padding): GAE and V-trace equal their values on the model tokens alone, laid side by side
+    (the next state after a turn is the next turn's first token), and are 0 off the mask."""
+    from modules.algo.gae import gae, vtrace
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)
+    values = torch.randn(2, 7, generator=g)
+    rewards = torch.zeros(2, 7)
+    rewards[0, 5], rewards[1, 4] = 1.0, 0.5  # the outcome on each episode's last model token
+    log_ratio = 0.3 * torch.randn(2, 7, generator=g)
+    for row in range(2):
+        idx = mask[row].nonzero().squeeze(1)
+        one = (rewards[row, idx][None], values[row, idx][None])
+        ones = torch.ones(1, len(idx))
+        for full, alone in [
+            (
+                gae(rewards[row : row + 1], values[row : row + 1], mask[row : row + 1], 0.9, 0.8),
+                gae(*one, ones, 0.9, 0.8),
+            ),
+            (
+                vtrace(
+                    rewards[row : row + 1],
+                    values[row : row + 1],
+                    log_ratio[row : row + 1],
+                    mask[row : row + 1],
+                    0.9,
+                    0.8,
+                ),
+                vtrace(*one, log_ratio[row, idx][None], ones, 0.9, 0.8),
+            ),
+        ]:
+            for f, a in zip(full, alone):
+                assert torch.allclose(f[0, idx], a[0], atol=1e-6)
+                assert torch.all(f[0, mask[row] == 0] == 0)
+    both = gae(rewards, values, mask, 0.9, 0.8)[0]  # rows of different shapes in one batch
+    assert torch.allclose(both[1], gae(rewards[1:], values[1:], mask[1:], 0.9, 0.8)[0][0])
