@@ -47,7 +47,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-from lab import run_store
+from lab import bench_metrics, run_store
 from lab.modes import read_metrics, run_dir_name, run_recipe
 from modules.callbacks.drift_score import DriftDetector
 
@@ -61,7 +61,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["bypass", "bypass_noclip", "decoupled", "tis", "tseq_is", "token_is", "icepop"]
 CORRECTIONS = ["none", "token_is", "tis", "tseq_is", "geo_seq_is", "icepop", "ds_seq_mask"]
 MISMATCH = ["none", "tis", "mis", "icepop"]
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -93,17 +92,17 @@ def cell_spec(lag: int, arm: str, extra: list[str] | None = None, controller: bo
 
 
 def mean_ci(xs: list[float]) -> dict:
-    """Mean and 95 % t interval (None with fewer than 2 values); ``inside_noise``: 0 is in it."""
-    if len(xs) < 2:
-        return {
-            "mean": statistics.fmean(xs) if xs else math.nan,
-            "ci": None,
-            "n": len(xs),
-            "inside_noise": None,
-        }
-    m = statistics.fmean(xs)
-    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return {"mean": m, "ci": [m - half, m + half], "n": len(xs), "inside_noise": m - half <= 0 <= m + half}
+    """``bench_metrics.mean_ci`` as the tables read it: mean, 95 % t interval (None with fewer
+    than 2 values), n and ``inside_noise`` (the interval holds 0)."""
+    ci = bench_metrics.mean_ci(xs)
+    lo, hi = ci["lo"], ci["hi"]
+    interval = None if lo is None else [lo, hi]
+    return {
+        "mean": math.nan if ci["mean"] is None else ci["mean"],
+        "ci": interval,
+        "n": ci["n"],
+        "inside_noise": None if interval is None else lo <= 0 <= hi,
+    }
 
 
 def paired_to_k0(cells: dict[str, dict]) -> None:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from data.envs.episodes import stop_token_ids
+
 
 class EpisodeRollout:
     """``rollout_func(prompts, trainer)`` for TRL: one episode per prompt (TRL repeats each
@@ -47,14 +49,7 @@ class EpisodeRollout:
         self.top_k = int(sampling.top_k)
         self.budget = int(env.max_total_tokens or sampling.max_tokens)
         self.turn_cap = env.max_turn_tokens  # None: only the episode's budget
-        self.stop_ids = []
-        for s in env.stop:  # as EpisodeRunner: each stop must be one token
-            ids = tokenizer(s, add_special_tokens=False)["input_ids"]
-            if len(ids) != 1:
-                raise ValueError(
-                    f"env.stop: {s!r} is {len(ids)} tokens for this tokenizer; each stop must be one token"
-                )
-            self.stop_ids.append(int(ids[0]))
+        self.stop_ids = list(stop_token_ids(tokenizer, env.stop))  # as EpisodeRunner
         self.loop = asyncio.new_event_loop()
         self.turn_stats: list[list[dict]] = []
         # mean episode length of the last call, model and observation tokens (as the project counts)

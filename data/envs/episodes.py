@@ -47,24 +47,26 @@ class EpisodeState:
     turn_versions: set[int] = field(default_factory=set)  # versions that wrote the current turn
 
 
+def stop_token_ids(tokenizer: Any, stops: tuple[str, ...]) -> tuple[int, ...]:
+    """The token id of each ``env.stop`` string; each must be exactly one token."""
+    ids = []
+    for s in stops:
+        tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise ValueError(
+                f"env.stop: {s!r} is {len(tokens)} tokens for this tokenizer; each stop must be one token"
+            )
+        ids.append(int(tokens[0]))
+    return tuple(ids)
+
+
 class EpisodeRunner:
     def __init__(self, engine: Any, env: Environment, tokenizer: Any) -> None:
         self.engine = engine
         self.env = env
         self.tokenizer = tokenizer
-        self.stop_token_ids = tuple(self._stop_ids(env.stop))
+        self.stop_token_ids = stop_token_ids(tokenizer, env.stop)
         self._thread: LoopThread | None = None
-
-    def _stop_ids(self, stops: tuple[str, ...]) -> list[int]:
-        ids = []
-        for s in stops:
-            tokens = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-            if len(tokens) != 1:
-                raise ValueError(
-                    f"env.stop: {s!r} is {len(tokens)} tokens for this tokenizer; each stop must be one token"
-                )
-            ids.append(int(tokens[0]))
-        return ids
 
     def _loop(self) -> LoopThread:
         if self._thread is None:
