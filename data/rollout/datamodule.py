@@ -87,7 +87,7 @@ class RolloutDataModule(L.LightningDataModule):
             "data.sync_every_s",
             sync_every_s,
             sync_every_s is None or not rollout.counts_versions,
-            "null with rollout.staleness=Admit or Throttle (they count batches per version)",
+            "null with rollout/staleness=admit, throttle or regenerate (they count batches per version)",
         )
         rollout.check_advantage(advantage)
         rollout.configure_rewards(reward_errors, reward_timeout_s)

@@ -26,7 +26,14 @@ one small class per policy, selected by ``_target_`` (``rollout/staleness=<name>
   due ones, and nothing is dropped. Generation never runs more than K versions ahead of the
   trainer, so most groups are trained within K; one that generates for longer than K
   versions is trained at its staleness (the correction sees it; ``rollout/over_bound`` counts
-  them).
+  them). Its ``max_staleness`` is a target, not a bound.
+* ``Regenerate``: ``Throttle``'s issue side, and the bound holds: a group that can no longer
+  be trained within K versions is not trained; its prompt goes back to the front of the
+  stream and is generated again with the current weights (nothing is dropped; the generation
+  it took is spent, counted in ``rollout/regenerated``). The batch takes groups about to pass
+  the bound first, and a prompt already regenerated ``max_regenerations`` times is waited for
+  when due (a barrier on that group alone), so a prompt too long for the bound is still
+  trained, within it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class StalenessPolicy(ABC):
     admission_control = False  # the trainer waits for groups that are due (Admit)
     throttles = False  # no group starts that could not be trained within K versions
     drops = False
+    regenerates = False  # a group past the bound is generated again from its prompt
     # re-anchoring the ratio at the current policy means nothing under the decoupled anchor
     needs_bypass_anchor = False
 
@@ -92,6 +100,28 @@ class Throttle(StalenessPolicy):
 
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         return group  # trained at its staleness; the correction sees it
+
+
+class Regenerate(StalenessPolicy):
+    throttles = True
+    regenerates = True
+
+    def __init__(self, max_regenerations: int = 1) -> None:
+        check(
+            "rollout.staleness.max_regenerations",
+            max_regenerations,
+            isinstance(max_regenerations, int)
+            and not isinstance(max_regenerations, bool)
+            and max_regenerations >= 0,
+            "an int >= 0 (times a prompt is regenerated before the trainer waits for it when due)",
+        )
+        self.max_regenerations = max_regenerations
+
+    def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
+        raise RuntimeError(
+            "a group past rollout.max_staleness reached the batch under Regenerate: the "
+            "controller regenerates such groups before it chooses a batch"
+        )
 
 
 def trainable_groups(
@@ -159,6 +189,15 @@ class StalenessBound:
     def drops(self) -> bool:
         return self.policy.drops and self.max_staleness is not None
 
+    @property
+    def regenerates(self) -> bool:
+        return self.policy.regenerates and self.max_staleness is not None
+
+    @property
+    def holds(self) -> bool:
+        """No group is ever trained past the bound (``drop``, ``admit``, ``regenerate``)."""
+        return self.max_staleness is not None and (self.drops or self.waits_for_due or self.regenerates)
+
     # ------------------------------------------------------------------ counting versions
     def taken(self, version: int) -> int:
         """Batches already taken at ``version``."""
@@ -187,13 +226,21 @@ class StalenessBound:
         return outstanding < slots * self.prompts_per_step
 
     def too_stale(self, version: int, start_version: int) -> bool:
-        """A dropping policy discards a buffered group past the bound."""
-        return self.drops and self.excess(version, start_version) > 0
+        """A dropping (regenerating) policy discards (regenerates) a buffered group past the bound."""
+        return (self.drops or self.regenerates) and self.excess(version, start_version) > 0
 
     def doomed(self, version: int, start_version: int) -> bool:
-        """A group still generating that a dropping policy will discard on arrival: its
-        submission is more than K + 1 versions old (a request starts at or after it)."""
-        return self.drops and version - start_version > self.max_staleness + 1
+        """A group still generating that a dropping (regenerating) policy will discard
+        (regenerate) on arrival: its submission is more than K + 1 versions old (a request
+        starts at or after it)."""
+        return (self.drops or self.regenerates) and version - start_version > self.max_staleness + 1
+
+    def due(self, version: int, start_version: int) -> bool:
+        """A group that must be in the batch taken now to stay within the bound: this batch is
+        the version's last, and at the next version the group would be past K."""
+        if self.max_staleness is None or self.taken(version) + 1 < self.batches_per_version:
+            return False
+        return version + 1 - start_version > self.max_staleness
 
     def admit(self, exps: list[Experience], version: int, start_version: int) -> list[Experience] | None:
         """The group's experiences to train (weighted or flagged by the policy past the bound),

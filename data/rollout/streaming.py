@@ -30,6 +30,7 @@ from typing import Any, Literal
 from data.rollout.bias import reweight_by_level
 from data.rollout.controller import Pending, RolloutContext, RolloutController
 from data.rollout.experience import Experience
+from data.rollout.retirement import Retirement
 from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
@@ -47,7 +48,7 @@ class _Group:
     exps: list[Experience] = field(default_factory=list)
 
 
-class StreamingRollout(StreamingCheckpoint, RolloutController):
+class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
     def __init__(
         self,
         prompts_per_step: int,
@@ -131,16 +132,18 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             "filtered",
             "filter_fill",
             "over_bound",
+            "regenerated",
         )
         self.counters = dict.fromkeys(counted, 0)
+        self._regenerations: dict[int, int] = {}  # prompt row index -> times regenerated (Regenerate)
 
     def check_advantage(self, advantage: Any) -> None:
         check(
             "algo.advantage",
             type(advantage).__name__,
-            not (advantage.per_response and self.admission_control),
-            "a group-wise estimator (algo/advantage=group) with rollout.staleness=Admit "
-            "(admission control counts whole groups)",
+            not (advantage.per_response and (self.admission_control or self.bound.regenerates)),
+            "a group-wise estimator (algo/advantage=group) with rollout/staleness=admit or "
+            "regenerate (they count and regenerate whole groups)",
         )
         check(
             "algo.advantage",
@@ -309,25 +312,11 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
 
     def _take(self) -> list[Experience] | None:
         version = self.ctx.engine.version
-        now = time.time()
-        if self.max_age_s is not None:
-            for r in [r for r in self._buffer if now - r.completed_at > self.max_age_s]:
-                # Too old to train: a whole group's prompt goes back to the front of the stream,
-                # to be generated again with fresher weights (nothing is lost, even under
-                # Admit). A single response of a running-baseline group is only discarded.
-                self._buffer.remove(r)
-                self.counters["expired"] += 1
-                if self._units_per_group == 1:
-                    self.ctx.prompts.requeue([self.ctx.prompts.index_of(r.exps[0].extras["row"])])
-                    self.bias.on_issue(r.level, -self.group_size)  # counted again when re-issued
-        # 1) A dropping policy removes too-stale groups as soon as they are seen, and stops
-        # generating the ones it would drop on arrival (their slots go to useful work).
-        if self.cancel_doomed:
-            self._cancel_doomed(version)
-        for r in [r for r in self._buffer if self.bound.too_stale(version, r.start_version)]:
-            self._buffer.remove(r)
-            self.counters["dropped"] += 1  # buffer units: groups, or responses when released singly
-            self._wasted_groups += 1 / self._units_per_group
+        # 1) What may no longer be trained leaves: expired, dropped (and cancelled while
+        # generating, with cancel_doomed), or regenerated from its prompt (retirement.py).
+        self._retire(version, time.time())
+        if self._waits_for_due(version):
+            return None
         # 2) Choose P groups by the selection rule (FIFO, stratified, admission).
         view = BatchView(
             buffer=self._buffer,
@@ -341,6 +330,7 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
         chosen = self.selection.choose(view)
         if chosen is None:
             return None
+        chosen = self._due_first(chosen, version)
         self.bound.record_take(version)
         out: list[Experience] = []
         for r in chosen:
@@ -355,7 +345,9 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
                 if e.recompute:
                     self.counters["recomputed"] += 1
                 out.append(e)
-        self.hand_out({r.group_id: r.exps[0].extras["row"] for r in chosen if r.exps}, out, version)
+        rows = {r.group_id: r.exps[0].extras["row"] for r in chosen if r.exps and "row" in r.exps[0].extras}
+        self.hand_out(rows, out, version)
+        self._trained(list(rows.values()))
         if self.reweight:
             reweight_by_level(chosen, self._trained_levels, self.bias.issued_levels)
         self.stats = {
@@ -365,26 +357,6 @@ class StreamingRollout(StreamingCheckpoint, RolloutController):
             **{f"rollout/{k}": float(v) for k, v in self.counters.items()},
         }
         return out
-
-    def _cancel_doomed(self, version: int) -> None:
-        """Cancel generating groups a dropping policy will discard on arrival. Staleness counts
-        from the oldest *generated* token, known only at completion; a request starts at or
-        after its submission, so a group is doomed once its submission is more than K + 1
-        versions old (exact while requests start within a version: no long engine queue)."""
-        doomed = {gid for gid, g in self._groups.items() if self.bound.doomed(version, g.start_version)}
-        if not doomed:
-            return
-        for fut, p in list(self._requests.items()):
-            if p.group_id in doomed:
-                del self._requests[fut]
-                fut.cancel()
-        for gid in doomed:
-            group = self._groups.pop(gid)
-            # under per-response release its finished responses are already in the buffer
-            released = len(group.exps) if self._units_per_group > 1 else 0
-            self._wasted_groups += 1 - released / self.group_size
-        self.counters["dropped"] += len(doomed)
-        self.counters["cancelled"] += len(doomed)
 
     # ------------------------------------------------------------------ lifecycle / state
     def close(self) -> None:

@@ -60,6 +60,7 @@ class StreamingCheckpoint:
                 **self._taken_state(in_training),  # batches taken at this version (throttle, admit)
                 "trained_levels": [[k, v] for k, v in trained_levels.items()],  # reweighting
                 "counters": dict(self.counters),
+                "regenerations": [[k, v] for k, v in self._regenerations.items()],  # regenerate
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -68,3 +69,4 @@ class StreamingCheckpoint:
         self.bound.load_state_dict(state)
         self._trained_levels = {k: v for k, v in state.get("trained_levels", [])}
         self.counters.update(state.get("counters", {}))
+        self._regenerations = {int(k): int(v) for k, v in state.get("regenerations", [])}

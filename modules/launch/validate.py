@@ -107,7 +107,7 @@ def _validate_rl(cfg: DictConfig) -> None:
         "rollout.staleness",
         getattr(staleness, "__name__", None),
         not (getattr(staleness, "needs_bypass_anchor", False) and algo.loss.get("anchor") == "decoupled"),
-        "drop, downweight, admit or throttle with algo.loss.anchor=decoupled (decoupled PPO already "
+        "drop, downweight, admit, throttle or regenerate with algo.loss.anchor=decoupled (decoupled PPO already "
         "anchors every sample at the current policy: Recompute would change nothing)",
     )
     gpu_ids = engine.get("gpu_ids")

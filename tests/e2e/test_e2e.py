@@ -618,7 +618,9 @@ EPISODES = ["env=calculator", "env._target_=tests.helpers.EveryTurnAnswered", "e
 
 @pytest.mark.parametrize("episodes", [False, True], ids=["one_turn", "episodes"])
 def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_path, models, episodes):
-    """Streaming with admission control (nothing dropped): kill -9 after a checkpoint, resume.
+    """Streaming with a bound that drops nothing (admission control; with ``episodes``,
+    ``regenerate``, whose re-queued prompts must survive the checkpoint too): kill -9 after a
+    checkpoint, resume.
     Every prompt the killed run had drawn before the checkpoint is either trained before it
     or re-queued in it (its group was generating or buffered), the re-queued ones are trained
     by the resumed run, and no prompt trained before the checkpoint is trained again. With
@@ -628,7 +630,7 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
 
     common = [
         "recipe=async_grpo",
-        "rollout/staleness=admit",
+        f"rollout/staleness={'regenerate' if episodes else 'admit'}",
         *SHRINK,
         f"model.path={models['tied']}",
         "task._target_=tests.helpers.DigitShareTask",

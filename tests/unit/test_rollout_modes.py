@@ -15,7 +15,7 @@ from data.rollout.controller import RewardError, RolloutContext
 from data.rollout.partial import PartialRollout
 from data.rollout.prompts import PromptStream
 from data.rollout.selection import Fifo, Stratified
-from data.rollout.staleness import Admit, Downweight, Drop, Recompute, Throttle
+from data.rollout.staleness import Admit, Downweight, Drop, Recompute, Regenerate, Throttle
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
 from modules.algo.advantages import GroupAdvantage, RunningBaseline
@@ -178,7 +178,7 @@ def test_engine_death_surfaces_in_the_trainer():
     prompts_per_step=st.integers(1, 4),
     max_inflight=st.integers(1, 8),
     max_staleness=st.integers(0, 3),
-    policy=st.sampled_from(["drop", "admit", "downweight", "throttle"]),
+    policy=st.sampled_from(["drop", "admit", "downweight", "throttle", "regenerate"]),
     inflight=st.sampled_from(["keep", "abort", "wait"]),
     concurrency=st.one_of(st.none(), st.integers(1, 6)),
     sync_every=st.integers(1, 3),
@@ -194,9 +194,13 @@ def test_streaming_invariants(
     concurrency,
     sync_every,
 ):
-    staleness = {"drop": Drop(), "admit": Admit(), "downweight": Downweight(0.5), "throttle": Throttle()}[
-        policy
-    ]
+    staleness = {
+        "drop": Drop(),
+        "admit": Admit(),
+        "downweight": Downweight(0.5),
+        "throttle": Throttle(),
+        "regenerate": Regenerate(),
+    }[policy]
     eng = SimEngine(max_concurrency=concurrency)
     capacity = max(prompts_per_step, max_inflight) + 2
     ctl = bind(
@@ -223,11 +227,11 @@ def test_streaming_invariants(
             groups.setdefault(e.group_id, []).append(e)
             assert len(e.behavior_logprobs) == len(e.response_ids) == len(e.token_versions())
             assert e.staleness == version - min(e.token_versions())
-            if policy in ("drop", "admit"):
+            if policy in ("drop", "admit", "regenerate"):
                 assert e.staleness <= max_staleness
         assert all(len(g) == group_size for g in groups.values()), "an incomplete group was trained"
         assert len(groups) == prompts_per_step
-    if policy in ("admit", "throttle"):
+    if policy in ("admit", "throttle", "regenerate"):
         assert ctl.snapshot()["dropped"] == 0
 
 
@@ -326,6 +330,63 @@ def test_running_baseline_is_rejected_with_admission_control():
     with pytest.raises(ConfigError, match="algo.advantage"):
         bind(
             StreamingRollout(1, 4, SAMPLING, staleness=Admit()),
+            SimEngine(),
+            [10],
+            advantage=RunningBaseline(),
+        )
+
+
+def bound_run(staleness, batches=40, **kwargs):
+    """The long tail against a bound: 80 short (4 units) and 20 long (60) prompts, G = 2,
+    K = 1, P = 4: a long group outlives two versions."""
+    eng = SimEngine(max_concurrency=8)
+    ctl = bind(
+        StreamingRollout(
+            4, 2, SAMPLING, max_inflight=8, max_staleness=1, staleness=staleness, buffer_capacity=16, **kwargs
+        ),
+        eng,
+        [4] * 80 + [60] * 20,
+    )
+    return ctl, run(ctl, eng, batches, step_time=3.0)
+
+
+def test_throttle_treats_the_bound_as_a_target_and_regenerate_holds_it():
+    ctl, trained = bound_run(Throttle())
+    over = max(e.staleness for _, batch in trained for e in batch)
+    assert over > 1 and ctl.snapshot()["over_bound"] > 0  # a long group trained past K = 1
+    ctl, trained = bound_run(Regenerate())
+    snap = ctl.snapshot()
+    exps = [e for _, batch in trained for e in batch]
+    assert max(e.staleness for e in exps) <= 1  # the bound holds
+    assert snap["regenerated"] > 0 and snap["dropped"] == 0 and snap["over_bound"] == 0
+    long_trained = {e.prompt_id for e in exps if e.difficulty == 1}
+    assert long_trained  # a prompt too long for the bound is still trained (waited for)
+    # nothing lost: every regenerated prompt was trained, or is still outstanding
+    trained_ids = {e.prompt_id for e in exps}
+    outstanding = set(ctl.outstanding_prompts()) | set(ctl.ctx.prompts.state_dict()["front"])
+    rows = ctl.ctx.prompts.rows
+    assert {rows[i]["id"] for i in ctl._regenerations} <= outstanding | trained_ids
+    for e in exps:  # regeneration counts end when a prompt is trained
+        assert (
+            ctl.ctx.prompts.index_of(rows[e.prompt_id]) not in ctl._regenerations
+            or e.prompt_id in outstanding
+        )
+
+
+def test_regenerate_without_waiting_regenerates_a_too_long_prompt_again():
+    protected, _ = bound_run(Regenerate(max_regenerations=1))
+    eager, trained = bound_run(Regenerate(max_regenerations=5))
+    assert max(e.staleness for _, batch in trained for e in batch) <= 1
+    # waiting after one regeneration spends less generation than regenerating up to 5 times
+    assert protected.snapshot()["regenerated"] < eager.snapshot()["regenerated"]
+
+
+def test_regenerate_refuses_a_running_baseline():
+    from modules.launch.config_errors import ConfigError
+
+    with pytest.raises(ConfigError, match="regenerate"):
+        bind(
+            StreamingRollout(1, 4, SAMPLING, staleness=Regenerate()),
             SimEngine(),
             [10],
             advantage=RunningBaseline(),

@@ -14,6 +14,7 @@ from data.rollout.staleness import (
     Downweight,
     Drop,
     Recompute,
+    Regenerate,
     StalenessBound,
     Throttle,
     trainable_groups,
@@ -130,3 +131,37 @@ def test_an_unbounded_admit_never_waits_and_still_counts_versions():
     assert b.leaves_room([0] * 100, version=0)  # every group is trainable whenever it is taken
     assert b.counts_versions  # batches per version still counted: data.sync_every_s is refused
     assert not b.throttles  # but nothing to throttle against
+
+
+def test_regenerate_throttles_regenerates_past_the_bound_and_never_trains_there():
+    b = StalenessBound(1, Regenerate(), prompts_per_step=4)
+    assert b.throttles and b.regenerates and b.holds and not b.drops
+    assert not b.may_start(8, version=0) and b.may_start(7, version=0)  # throttle's issue side
+    # past the bound a buffered group is regenerated, a generating one once certainly past it
+    assert not b.too_stale(version=3, start_version=2) and b.too_stale(version=3, start_version=1)
+    assert not b.doomed(version=3, start_version=1) and b.doomed(version=3, start_version=0)
+    assert b.admit(group(), version=2, start_version=1) is not None  # within K: trained
+    with pytest.raises(RuntimeError, match="Regenerate"):  # never reaches the batch past K
+        b.admit(group(), version=3, start_version=1)
+    assert StalenessBound(None, Regenerate(), prompts_per_step=4).holds is False  # unbounded
+    # which policies hold the bound
+    holds = {
+        type(p).__name__: StalenessBound(1, p, 4).holds
+        for p in (Drop(), Admit(), Throttle(), Downweight(), Recompute())
+    }
+    assert holds == {"Drop": True, "Admit": True, "Throttle": False, "Downweight": False, "Recompute": False}
+
+
+def test_due_means_this_batch_is_the_last_chance_within_the_bound():
+    b = StalenessBound(2, Regenerate(), prompts_per_step=4, batches_per_version=2)
+    # K = 2 at version 5: a group from version 3 is due only if this batch ends the version
+    assert not b.due(5, 3)  # 0 of 2 batches taken: another batch comes at version 5
+    b.record_take(5)
+    assert b.due(5, 3) and not b.due(5, 4)
+    assert not StalenessBound(None, Regenerate(), prompts_per_step=4).due(100, 0)
+
+
+@pytest.mark.parametrize("bad", [-1, 0.5, True, "1"])
+def test_a_bad_max_regenerations_names_the_field(bad):
+    with pytest.raises(ConfigError, match="rollout.staleness.max_regenerations"):
+        Regenerate(bad)
