@@ -129,6 +129,16 @@ class PartialRollout(StreamingRollout):
         if not self._closed and self._error is None:
             self._start_group()
 
+    def _replace_regenerated(self) -> None:
+        # A group regenerated mid-iteration (the bound lowered at run time): start groups at once
+        # while the iteration cannot reach P, as the top-up that would do it comes only next time.
+        while (
+            not self._closed
+            and self._error is None
+            and len(self._buffer) + len(self._groups) < self.prompts_per_step
+        ):
+            self._start_group()
+
     def _start_iteration(self) -> None:
         self._iteration_open = True
         self._top_up()

@@ -31,6 +31,10 @@ class Retirement:
         self._requeue(row, level)
         self.counters["regenerated"] += 1
         self._wasted_groups += 1
+        self._replace_regenerated()
+
+    def _replace_regenerated(self) -> None:
+        """Hook: streaming tops up while it waits; partial rollout starts the prompt at once."""
 
     def _protected(self, row: dict) -> bool:
         """Regenerated ``max_regenerations`` times already: waited for, not regenerated."""
@@ -83,33 +87,48 @@ class Retirement:
             self._wasted_groups += 1 - released / self.group_size
             self.counters["dropped"] += 1
 
+    def _protected_due_buffered(self, version: int) -> int:
+        return sum(
+            self._protected(r.exps[0].extras["row"]) and self.bound.due(version, r.start_version)
+            for r in self._buffer
+        )
+
     def _waits_for_due(self, version: int) -> bool:
         """``regenerate``: a protected group still generating is due (the batch taken now must
-        hold it), so the trainer waits for it to complete."""
-        if not self.bound.regenerates:
+        hold it) and the batch has a place for it: the trainer waits for it to complete. More
+        protected groups due at once than a batch holds (rare: each was regenerated already)
+        are regenerated again rather than waited for."""
+        if not self.bound.regenerates or self._protected_due_buffered(version) >= self._batch_units:
             return False
         return any(
             self._protected(g.row) and self.bound.due(version, g.start_version) for g in self._groups.values()
         )
 
     def _due_first(self, chosen: list[Ready], version: int) -> list[Ready]:
-        """``regenerate``: buffered groups that must be in this batch to stay within the bound
-        replace the last groups the selection rule chose (protected ones first, then oldest)."""
+        """``regenerate``: every buffered group that must be in this batch to stay within the
+        bound is ranked (protected first, then oldest); the first of them take the batch's
+        places and the selection rule's other picks fill the rest (so under ``stratified`` a
+        due group may take another level's place: the bound comes first)."""
         if not self.bound.regenerates:
             return chosen
-        due = [r for r in self._buffer if self.bound.due(version, r.start_version) and r not in chosen]
+        due = [r for r in self._buffer if self.bound.due(version, r.start_version)]
         if not due:
             return chosen
         due.sort(
             key=lambda r: (not self._protected(r.exps[0].extras["row"]), r.start_version, r.completed_at)
         )
-        keep = [r for r in chosen if self.bound.due(version, r.start_version)]
-        rest = [r for r in chosen if r not in keep]
-        room = len(chosen) - len(keep)
-        added = due[:room]
-        return keep + added + rest[: room - len(added)]
+        due = due[: len(chosen)]
+        return due + [r for r in chosen if r not in due][: len(chosen) - len(due)]
 
     def _trained(self, rows: list[dict]) -> None:
-        """Prompts trained at last: their regeneration counts are done."""
+        """Prompts trained at last: their regeneration counts are done (kept aside until the
+        next batch, in case a checkpoint gives this one back)."""
+        self._handed_regenerations = {}
         for row in rows:
-            self._regenerations.pop(self.ctx.prompts.index_of(row), None)
+            index = self.ctx.prompts.index_of(row)
+            if index in self._regenerations:
+                self._handed_regenerations[index] = self._regenerations.pop(index)
+
+    def _forget(self, row: dict) -> None:
+        """A prompt refused by ``rollout.group_filter`` is not generated again: no count left."""
+        self._regenerations.pop(self.ctx.prompts.index_of(row), None)

@@ -136,12 +136,13 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         )
         self.counters = dict.fromkeys(counted, 0)
         self._regenerations: dict[int, int] = {}  # prompt row index -> times regenerated (Regenerate)
+        self._handed_regenerations: dict[int, int] = {}  # those of the batch handed out last
 
     def check_advantage(self, advantage: Any) -> None:
         check(
             "algo.advantage",
             type(advantage).__name__,
-            not (advantage.per_response and (self.admission_control or self.bound.regenerates)),
+            not (advantage.per_response and (self.admission_control or self.bound.policy.regenerates)),
             "a group-wise estimator (algo/advantage=group) with rollout/staleness=admit or "
             "regenerate (they count and regenerate whole groups)",
         )
@@ -254,6 +255,7 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
                     len(group.exps) == self.group_size and not self.informative(group.exps) and self._refuse()
                 ):
                     del self._groups[p.group_id]  # dynamic sampling: refused, replaced
+                    self._forget(group.row)
                     self.counters["filtered"] += 1
                     self._wasted_groups += 1
                     self.bias.on_issue(group.row.get("level"), -self.group_size)  # not trained

@@ -60,8 +60,15 @@ class StreamingCheckpoint:
                 **self._taken_state(in_training),  # batches taken at this version (throttle, admit)
                 "trained_levels": [[k, v] for k, v in trained_levels.items()],  # reweighting
                 "counters": dict(self.counters),
-                "regenerations": [[k, v] for k, v in self._regenerations.items()],  # regenerate
+                "regenerations": [[k, v] for k, v in self._regenerations_state(in_training).items()],
             }
+
+    def _regenerations_state(self, in_training: bool) -> dict[int, int]:
+        """``regenerate``'s counts per prompt; a batch given back keeps its prompts' counts."""
+        counts = dict(self._regenerations)
+        if in_training:
+            counts.update(self._handed_regenerations)
+        return counts
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

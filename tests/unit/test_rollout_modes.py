@@ -391,3 +391,62 @@ def test_regenerate_refuses_a_running_baseline():
             [10],
             advantage=RunningBaseline(),
         )
+
+
+def test_regenerate_refuses_a_running_baseline_even_while_unbounded():
+    """An unbounded K is finite later (the drift controller lowers it): refused at bind anyway."""
+    from modules.launch.config_errors import ConfigError
+
+    with pytest.raises(ConfigError, match="regenerate"):
+        bind(
+            StreamingRollout(
+                1, 4, SAMPLING, max_staleness=None, max_inflight=4, buffer_capacity=4, staleness=Regenerate()
+            ),
+            SimEngine(),
+            [10],
+            advantage=RunningBaseline(),
+        )
+
+
+def test_partial_rollout_refills_a_regenerated_group_when_the_bound_is_lowered():
+    """K lowered at run time (drift controller): partial's carried-over group is past it and is
+    regenerated mid-iteration; the iteration still gets its P groups (no wait on nothing)."""
+    eng = SimEngine()
+    ctl = bind(
+        PartialRollout(1, 1, SAMPLING, over_provision=2.0, max_staleness=1, staleness=Regenerate()),
+        eng,
+        [5] * 20,
+    )
+    ctl.next_batch()  # 2 groups started, 1 trained, 1 carried over
+    eng.advance_to(eng.now + 1.0)
+    eng.update_weights({}, 1, inflight="keep")
+    ctl.set_max_staleness(0)
+    batch = ctl.next_batch()
+    assert [e.staleness for e in batch] == [0] and ctl.snapshot()["regenerated"] == 1
+
+
+def test_a_protected_prompt_takes_the_batch_before_an_unprotected_due_one():
+    """P = 1, K = 2. Prompt 1 was regenerated once (protected), prompt 2 not; both start at
+    version 0 and are due at version 2. Prompt 2 completes first, but prompt 1 is waited for
+    and trained; prompt 2 is the one regenerated."""
+    eng = SimEngine()
+    task = SimTask([1, 25, 20] + [1] * 50)
+    stream = PromptStream(task.rows, seed=0)
+    stream.requeue([0, 1, 2, 3])
+    ctl = StreamingRollout(
+        1, 1, SAMPLING, max_inflight=3, max_staleness=2, staleness=Regenerate(1), buffer_capacity=3
+    )
+    ctl.bind(RolloutContext(eng, task, CharTokenizer(), stream, GroupAdvantage()))
+    ctl._regenerations[1] = 1  # as if regenerated once before
+    trained = []
+    for _ in range(4):
+        batch = ctl.next_batch()
+        assert all(e.staleness <= 2 for e in batch)
+        trained.append([e.prompt_id for e in batch])
+        if trained[-1] == [1]:  # a checkpoint that gives this batch back keeps its count
+            assert [1, 1] in ctl.state_dict(in_training=True)["regenerations"]
+            assert [1, 1] not in ctl.state_dict()["regenerations"]
+        eng.advance_to(eng.now + 10.0)
+        eng.update_weights({}, eng.version + 1, inflight="keep")
+    assert trained[:3] == [[0], [3], [1]] and 2 not in trained[3]
+    assert ctl.counters["regenerated"] == 1 and 1 not in ctl._regenerations  # trained: count done

@@ -1,0 +1,156 @@
+"""Does a recipe lose a level? Per-level final reward against a reference, paired by seed.
+
+    python -m lab.level_table outputs/bench/tail6.log --reference sync_grpo \\
+        --runs outputs/bench/tail6/seed{seed}    # optional: where each seed's runs live
+
+Reads the per-run records ``lab.modes`` prints to stderr (one JSON object per run; several
+logs may be joined). For each recipe and each difficulty level: the final held-out sampled and
+greedy reward (mean and 95 % t interval over seeds) and its difference to the reference, paired
+by seed (runs of one seed ran in one sitting), with a 95 % t interval. A level is *lost* when
+that interval lies wholly below 0: the recipe ends the level below the reference beyond the
+noise. With ``--runs``, also the staleness bound's counters from each run's ``metrics.csv``
+(``rollout/over_bound``, ``rollout/regenerated``, ``rollout/dropped``; the maximum staleness).
+Prints Markdown; ``--json`` prints the numbers instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from pathlib import Path
+
+from lab.bench_metrics import mean_ci
+from lab.modes import run_dir_name
+
+COUNTERS = ("rollout/over_bound", "rollout/regenerated", "rollout/dropped")
+
+
+def read_runs(logs: list[Path]) -> dict[str, dict[int, dict]]:
+    """recipe spec -> seed -> its record (the last one wins when a seed ran twice)."""
+    runs: dict[str, dict[int, dict]] = {}
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if "recipe" in rec and "curve_last" in rec:
+                runs.setdefault(rec["recipe"], {})[int(rec["seed"])] = rec
+    return runs
+
+
+def level_keys(runs: dict[str, dict[int, dict]]) -> list[str]:
+    keys = {k for seeds in runs.values() for r in seeds.values() for k in r["curve_last"]}
+    return sorted(k.rsplit("_", 1)[1] for k in keys if re.fullmatch(r"eval/sampled_reward_level\d+", k))
+
+
+def counters(run_dir: Path) -> dict[str, float]:
+    """The last logged value of each bound counter and the largest staleness of the run."""
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for key in (*COUNTERS, "rollout/staleness_max"):
+        vals = [float(r[key]) for r in rows if r.get(key)]
+        if vals:
+            out[key] = max(vals) if key == "rollout/staleness_max" else vals[-1]
+    return out
+
+
+def compare(runs: dict[str, dict[int, dict]], reference: str, runs_root: str | None = None) -> dict:
+    ref = runs[reference]
+    out = {}
+    for spec, seeds in runs.items():
+        row: dict = {"seeds": sorted(seeds)}
+        for level in ["mean", *level_keys(runs)]:
+            for kind, prefix in (("sampled", "eval/sampled_reward_"), ("greedy", "eval/reward_")):
+                key = prefix + level
+                vals = [seeds[s]["curve_last"].get(key) for s in sorted(seeds)]
+                diffs = [
+                    seeds[s]["curve_last"][key] - ref[s]["curve_last"][key] for s in sorted(seeds) if s in ref
+                ]
+                d = mean_ci(diffs)
+                row[f"{kind}/{level}"] = {
+                    "value": mean_ci(vals),
+                    "minus_reference": d,
+                    "lost": d["hi"] is not None and d["hi"] < 0,
+                }
+        if runs_root is not None:
+            per = [
+                counters(Path(runs_root.format(seed=s)) / run_dir_name(spec) / f"seed{s}")
+                for s in sorted(seeds)
+            ]
+            row["counters"] = {
+                k: mean_ci([p.get(k) for p in per]) for k in (*COUNTERS, "rollout/staleness_max")
+            }
+            row["counters"]["rollout/staleness_max"]["max"] = max(
+                p.get("rollout/staleness_max", 0) for p in per
+            )
+        out[spec] = row
+    return out
+
+
+def fmt(d: dict) -> str:
+    if d["mean"] is None:
+        return "-"
+    if d["lo"] is None:
+        return f"{d['mean']:+.3f}"
+    text = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+    return f"*{text}*" if d["lo"] <= 0 <= d["hi"] else f"**{text}**"
+
+
+def markdown(table: dict, reference: str) -> str:
+    lines = []
+    for kind in ("sampled", "greedy"):
+        levels = [k.split("/", 1)[1] for k in next(iter(table.values())) if k.startswith(kind + "/")]
+        lines += [
+            f"Final held-out {kind} reward per level: mean over seeds; below it, minus `{reference}` "
+            "paired by seed, 95 % t interval (italics: holds 0; bold: beyond the noise)",
+            "",
+            "| recipe | n | " + " | ".join(levels) + " | levels lost |",
+            "|---|---|" + "---|" * (len(levels) + 1),
+        ]
+        for spec, row in table.items():
+            cells = []
+            for lv in levels:
+                c = row[f"{kind}/{lv}"]
+                v = c["value"]["mean"]
+                cells.append(f"{v:.3f}" + ("" if spec == reference else f"<br>{fmt(c['minus_reference'])}"))
+            lost = [lv for lv in levels if lv != "mean" and row[f"{kind}/{lv}"]["lost"]]
+            lines.append(
+                f"| `{spec}` | {len(row['seeds'])} | "
+                + " | ".join(cells)
+                + f" | {', '.join(lost) or 'none'} |"
+            )
+        lines.append("")
+    if any("counters" in r for r in table.values()):
+        lines += [
+            "| recipe | over_bound | regenerated | dropped | largest staleness |",
+            "|---|---|---|---|---|",
+        ]
+        for spec, row in table.items():
+            c = row.get("counters", {})
+
+            def m(k: str, c: dict = c) -> str:
+                return "-" if k not in c or c[k]["mean"] is None else f"{c[k]['mean']:.1f}"
+
+            big = c.get("rollout/staleness_max", {}).get("max", "-")
+            lines.append(f"| `{spec}` | {m(COUNTERS[0])} | {m(COUNTERS[1])} | {m(COUNTERS[2])} | {big} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("logs", type=Path, nargs="+")
+    parser.add_argument("--reference", default="sync_grpo")
+    parser.add_argument(
+        "--runs", help="each seed's lab.modes --out, with {seed} (reads the bound's counters)"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    table = compare(read_runs(args.logs), args.reference, args.runs)
+    print(json.dumps(table, indent=1) if args.json else markdown(table, args.reference))
+
+
+if __name__ == "__main__":
+    main()
