@@ -424,9 +424,11 @@ def trained_prompts(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
 
 
-def kill_9_after_a_checkpoint(run_dir: Path, overrides: list[str]) -> Path:
+def kill_9_after_a_checkpoint(run_dir: Path, overrides: list[str], trainer_only: bool = False) -> Path:
     """Train until a checkpoint exists and 5 rollout batches ran, kill -9 the whole process
-    group (trainer and engine), check nothing survived; the checkpoint's path."""
+    group (trainer and engine), check nothing survived; the checkpoint's path. ``trainer_only``:
+    kill the trainer alone (no chance to shut anything down): vLLM's engine core does not notice
+    its parent's death, and modules/engine/reaper.py must kill it."""
     proc = subprocess.Popen(
         [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=1000"],
         cwd=ROOT,
@@ -440,15 +442,24 @@ def kill_9_after_a_checkpoint(run_dir: Path, overrides: list[str]) -> Path:
     while time.monotonic() < deadline and not (ckpt.exists() and len(trained_prompts(run_dir)) >= 5):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    if trainer_only:
+        others = [p for p in session_processes(proc.pid) if p.pid != proc.pid]
+        assert any("EngineCore" in " ".join(p.cmdline()) or "VLLM" in p.name() for p in others)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not wait_gone(proc.pid), "engine processes outlived kill -9"
+    if trainer_only:
+        print(f"FAULT-TIMING trainer SIGKILL -> engine processes gone in {time.monotonic() - t0:.2f} s")
     return ckpt
 
 
 def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_path, models):
-    """Sync mode: kill -9 after a checkpoint, resume from it; the version continues and the
-    resumed run trains exactly the prompts the original run would have trained next."""
+    """Sync mode: kill -9 of the trainer alone after a checkpoint (the reaper takes the engine
+    down: nothing outlives it), resume from it; the version continues and the resumed run
+    trains exactly the prompts the original run would have trained next."""
     common = [
         "recipe=sync_grpo",
         *SHRINK,
@@ -458,7 +469,8 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
         "data.eval_size=0",
     ]
     first = tmp_path / "first"
-    ckpt = kill_9_after_a_checkpoint(first, common)
+    # the default executor: the engine's worker in a process of its own, as users run it
+    ckpt = kill_9_after_a_checkpoint(first, [*common, DEFAULT_EXECUTOR], trainer_only=True)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     step = state["global_step"]
     assert step >= 2 and state["asyncrl"]["policy_version"] == step
@@ -536,30 +548,6 @@ def test_ddp_two_ranks_train_disjoint_shards_and_agree_with_the_engine(ddp_sweep
     assert any((before[k] - w0[k]).abs().max() > 0 for k in before)
     engine = json.loads((run_dir / "engine_diff.json").read_text())
     assert engine["engine_version"] == steps and engine["engine_max_abs_diff"] < 1e-4
-
-
-def test_kill_9_of_the_trainer_alone_leaves_no_engine_behind(tmp_path, models):
-    """vLLM's engine core does not notice its parent's death; modules/engine/reaper.py kills it when
-    the trainer is SIGKILLed on its own (not its whole process group)."""
-    proc = start(
-        tmp_path,
-        models["tied"],
-        "task._target_=tests.helpers.DigitShareTask",
-        "trainer.max_steps=1000",
-        "data.eval_size=0",
-        DEFAULT_EXECUTOR,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (tmp_path / "trained_prompts.jsonl").exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-    others = [p for p in session_processes(proc.pid) if p.pid != proc.pid]
-    assert any("EngineCore" in " ".join(p.cmdline()) or "VLLM" in p.name() for p in others)
-    t0 = time.monotonic()
-    os.kill(proc.pid, signal.SIGKILL)  # the trainer only: no chance to shut anything down
-    proc.wait()
-    assert not wait_gone(proc.pid), "engine processes outlived the trainer"
-    print(f"FAULT-TIMING trainer SIGKILL -> engine processes gone in {time.monotonic() - t0:.2f} s")
 
 
 def multirun(sweep_dir: Path, models: dict, *overrides: str) -> None:
