@@ -337,7 +337,7 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         out: list[Experience] = []
         for r in chosen:
             self._buffer.remove(r)
-            past = self.bound.excess(version, r.start_version) > 0 and not self.admission_control
+            past = self.bound.excess(version, r.start_version) > 0 and not self.bound.holds
             r.exps = self.bound.admit(r.exps, version, r.start_version) or []  # 3) weight / recompute
             self.counters["over_bound"] += 1 if past and r.exps else 0
             for e in r.exps:
