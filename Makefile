@@ -55,17 +55,23 @@ trl-venv: .venv-trl/trl-$(TRL_VERSION)
 
 # Tiers, cheapest first (docs/testing.md): unit (no engine, no subprocess), tools (tools/ and
 # lab/), integration (the real engine, spawned workers, gloo ranks), e2e (train.py as typed).
-# One pytest session (imports once, engine fixtures shared); the summary prints each tier's time.
+# One pytest session on WORKERS xdist workers, a test file at a time (`--dist loadfile`: a file's
+# module-scoped fixtures, such as the DDP sweep or the replica pair, are built once). Most of a
+# train.py run is one core's work (imports, engine start-up, exit), so two side by side use both
+# cores; each worker's torch gets one thread (train.py sets its own). WORKERS=0: one process.
+# The summary prints each tier's time, summed over the workers.
 TIERS := unit tools integration e2e
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 test:
-	$(BIN)/python -m pytest -q --durations=15 $(addprefix tests/,$(TIERS))
+	$(PYTEST) --durations=15 $(addprefix tests/,$(TIERS))
 
 test-unit:
-	$(BIN)/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 # unit + tools: everything without an engine or a subprocess
 test-fast:
-	$(BIN)/python -m pytest -q tests/unit tests/tools
+	$(PYTEST) tests/unit tests/tools
 
 lint:
 	$(BIN)/ruff check .

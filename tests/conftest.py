@@ -66,7 +66,8 @@ _TIER_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Wall time per tier (setup + call + teardown of its tests), for the summary below."""
+    """Time per tier (setup + call + teardown of its tests, summed over the workers that ran
+    them), for the summary below."""
     parts = report.nodeid.split("/")
     tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
     _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
@@ -74,7 +75,7 @@ def pytest_runtest_logreport(report) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if _TIER_SECONDS:
-        terminalreporter.write_sep("-", "seconds per tier")
+        terminalreporter.write_sep("-", "seconds per tier (summed over workers)")
         for tier in ("unit", "tools", "integration", "e2e", "other"):
             if tier in _TIER_SECONDS:
                 terminalreporter.write_line(f"tests/{tier}: {_TIER_SECONDS[tier]:.0f} s")

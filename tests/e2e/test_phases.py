@@ -1,6 +1,6 @@
 """Signals while the engine starts: SIGTERM unwinds the start-up (exit 143, the engine stopped),
 and a trainer killed outright leaves nothing either (the reaper watches before the build).
-The training phase, Ctrl-C and kill -9 + resume are in test_e2e.py."""
+The training phase and Ctrl-C are in test_stops.py, kill -9 + resume in test_resume.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import DEFAULT_EXECUTOR
-from tests.e2e.test_e2e import session_processes, start, wait_gone
+from tests.e2e.runs import session_processes, start, wait_gone
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """Resume from a checkpoint written at any point of a step trains every prompt exactly once
 and never waits for generation that cannot start (issue 36, item 1; virtual-clock engine).
 
-The simulator analogue of ``tests/e2e/test_e2e.py::test_kill_9_and_resume_*``: a fake trainer
+The simulator analogue of ``tests/e2e/test_resume.py::test_kill_9_and_resume_*``: a fake trainer
 steps through the datamodule's optimizer steps (``RolloutDataModule._batches``, as
 ``training_step(dataloader_iter)`` does), syncs the engine after each rollout batch's last
 step and writes a "checkpoint" (``global_step``, the served version, the datamodule's state
