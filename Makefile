@@ -58,11 +58,12 @@ trl-venv: .venv-trl/trl-$(TRL_VERSION)
 # One pytest session on WORKERS xdist workers, a test file at a time (`--dist loadfile`: a file's
 # module-scoped fixtures, such as the DDP sweep or the replica pair, are built once). Most of a
 # train.py run is one core's work (imports, engine start-up, exit), so two side by side use both
-# cores; each worker's torch gets one thread (train.py sets its own). WORKERS=0: one process.
+# cores; each worker's torch gets one thread (tests/conftest.py; the train.py runs it starts
+# see the environment a user has). WORKERS=0: one process.
 # The summary prints each tier's time, summed over the workers.
 TIERS := unit tools integration e2e
 WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 test:
 	$(PYTEST) --durations=15 $(addprefix tests/,$(TIERS))
 

@@ -62,6 +62,16 @@ def engine(models):
     eng.shutdown()
 
 
+def pytest_configure(config) -> None:
+    """On an xdist worker (``make test``), one torch thread: two workers share the two cores.
+    Set here, not as OMP_NUM_THREADS, so that the train.py runs the tests start see the
+    environment a user's shell has."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 _TIER_SECONDS: dict[str, float] = {}
 
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 SHUTDOWN_GRACE_S = 30.0
 EXIT_FAST_TIMEOUT_S = 5.0
-RESEND_SIGTERM_S = 5.0
+RESEND_SIGTERM_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,22 @@ def _core_processes(llm: Any) -> list:
     return out
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` still has a SIGTERM handler (``SigCgt`` in /proc). vLLM's core restores
+    the default action as it starts to exit, and a SIGTERM after that would kill a core that is
+    leaving cleanly; without /proc, False (nothing is sent again)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
 @contextlib.contextmanager
 def _sigterm_again(procs: list) -> Iterator[None]:
     """While vLLM stops the engine: every ``RESEND_SIGTERM_S``, SIGTERM each core process that
-    is still running (see the module docstring)."""
+    is still running and still catches SIGTERM (see the module docstring)."""
     if not procs:
         yield
         return
@@ -87,7 +100,11 @@ def _sigterm_again(procs: list) -> Iterator[None]:
         while not done.wait(RESEND_SIGTERM_S):
             for proc in procs:
                 with contextlib.suppress(psutil.Error):
-                    if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    if (
+                        proc.is_running()
+                        and proc.status() != psutil.STATUS_ZOMBIE
+                        and catches_sigterm(proc.pid)
+                    ):
                         log.warning("engine core %d still running after SIGTERM; sending it again", proc.pid)
                         proc.terminate()
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import tempfile
 import time
 
 import pytest
 
+from modules.engine.reaper import scratch_prefix
 from tests.conftest import DEFAULT_EXECUTOR
 from tests.e2e.runs import session_processes, start, wait_gone
 
@@ -30,7 +32,6 @@ def engine_starting(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_signal_while_the_engine_starts_leaves_no_process_behind(tmp_path, models, sig):
-    shm_before = set(glob.glob("/dev/shm/asyncrl-weights-*"))
     proc = start(
         tmp_path,
         models["tied"],
@@ -53,4 +54,6 @@ def test_a_signal_while_the_engine_starts_leaves_no_process_behind(tmp_path, mod
     left = wait_gone(proc.pid, 30)
     print(f"FAULT-TIMING {sig.name} during engine start-up -> all gone in {time.monotonic() - t0:.2f} s")
     assert not left, f"processes outlived {sig.name} during engine start-up: {left}"
-    assert set(glob.glob("/dev/shm/asyncrl-weights-*")) <= shm_before
+    # the killed trainer's weight files (only its own: other runs may be syncing meanwhile)
+    mine = scratch_prefix(proc.pid)
+    assert not glob.glob(f"/dev/shm/{mine}*") and not glob.glob(f"{tempfile.gettempdir()}/{mine}*")
