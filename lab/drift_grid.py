@@ -105,25 +105,53 @@ def mean_ci(xs: list[float]) -> dict:
     }
 
 
-def paired_to_k0(cells: dict[str, dict]) -> None:
-    """Each lagged cell's ``vs_k0``: its final held-out sampled reward minus that of the same
-    arm (and the same other overrides) at K = 0, paired by seed, with a 95 % t interval."""
-    key = {}
+def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
+    """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
+    paired by seed, with a 95 % t interval (``mean_ci``). ``reference``: ``k0`` pairs a lagged
+    cell with the same arm (and the same other overrides) at K = 0; an arm's name (``bypass``,
+    ``decoupled``, ...) pairs a cell with that arm at the same K (and the same other overrides).
+    Cells without a reference are left out."""
+    ref_key, ref_spec = {}, {}
     for spec in cells:
         parts = spec_overrides(spec)
-        parts.pop("callbacks.weight_sync.lag", None)
-        key[spec] = tuple(sorted(parts.items()))
-    base = {key[spec]: spec for spec in cells if lag_of(spec) == 0}
+        if reference == "k0":
+            parts.pop("callbacks.weight_sync.lag", None)
+            is_ref = lag_of(spec) == 0
+        elif reference in ARMS:
+            for k in ("algo/correction", "algo.loss.anchor", "algo/objective"):
+                parts.pop(k, None)
+            is_ref = arm_of(spec) == reference
+        else:
+            raise ValueError(f"reference must be 'k0' or one of {ARMS}, got {reference!r}")
+        ref_key[spec] = tuple(sorted(parts.items()))
+        if is_ref:
+            ref_spec[ref_key[spec]] = spec
+    out = {}
     for spec, cell in cells.items():
-        if lag_of(spec) == 0 or key[spec] not in base:
+        base = ref_spec.get(ref_key[spec])
+        if base is None or base == spec:
             continue
-        k0 = {r["seed"]: r["final_sampled"] for r in cells[base[key[spec]]]["runs"]}
+        ref = {r["seed"]: r.get(key, math.nan) for r in cells[base]["runs"]}
         diffs = [
-            r["final_sampled"] - k0[r["seed"]]
+            r[key] - ref[r["seed"]]
             for r in cell["runs"]
-            if r["seed"] in k0 and math.isfinite(r["final_sampled"]) and math.isfinite(k0[r["seed"]])
+            if r["seed"] in ref and math.isfinite(r.get(key, math.nan)) and math.isfinite(ref[r["seed"]])
         ]
-        cell["vs_k0"] = mean_ci(diffs)
+        if diffs:
+            out[spec] = mean_ci(diffs)
+    return out
+
+
+def add_paired_differences(cells: dict[str, dict]) -> None:
+    """Each cell's paired differences (by seed): ``vs_k0`` / ``greedy_vs_k0`` (sampled / greedy
+    minus the same arm at K = 0), ``vs_bypass`` / ``greedy_vs_bypass`` (minus ``bypass`` at the
+    same K: anchor, clip and correction together) and ``vs_decoupled`` / ``greedy_vs_decoupled``
+    (minus plain ``decoupled`` at the same K: the correction alone, for the corrected arms)."""
+    for reference in ("k0", "bypass", "decoupled"):
+        for prefix, key in (("", "final_sampled"), ("greedy_", "greedy")):
+            for spec, diff in paired(cells, reference, key).items():
+                if reference != "decoupled" or arm_of(spec) not in ("bypass", "bypass_noclip"):
+                    cells[spec][f"{prefix}vs_{reference}"] = diff
 
 
 def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
@@ -352,7 +380,7 @@ def table(
             "missing_seeds": missing,
             "runs": runs,
         }
-    paired_to_k0(cells)
+    add_paired_differences(cells)
     # runs that did not collapse and that no controller steered: where an alarm is a false one
     healthy = sum(1 for c in cells.values() for r in c["runs"] if not r["collapsed"] and not r["acted"])
     return {
@@ -480,13 +508,33 @@ def anchors_text(cell: dict) -> str:
     )
 
 
-def paired_text(cell: dict) -> str:
-    """The paired difference to K = 0: mean [95 % CI], in italics when the interval holds 0."""
-    p = cell.get("vs_k0")
+def ci_text(p: dict | None) -> str:
+    """mean [95 % CI], in italics when the interval holds 0, bold when it does not."""
     if not p or p["ci"] is None:
         return ""
     text = f"{p['mean']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]"
     return f"*{text}*" if p["inside_noise"] else f"**{text}**"
+
+
+def paired_text(cell: dict) -> str:
+    """The paired difference to K = 0 (sampled)."""
+    return ci_text(cell.get("vs_k0"))
+
+
+def greedy_paired_text(cell: dict) -> str:
+    return ci_text(cell.get("greedy_vs_k0"))
+
+
+def bypass_text(cell: dict) -> str:
+    """The paired difference to ``bypass`` at the same K: sampled / greedy."""
+    s, g = ci_text(cell.get("vs_bypass")), ci_text(cell.get("greedy_vs_bypass"))
+    return f"{s} / {g}" if s else ""
+
+
+def decoupled_text(cell: dict) -> str:
+    """The paired difference to plain ``decoupled`` at the same K: sampled / greedy."""
+    s, g = ci_text(cell.get("vs_decoupled")), ci_text(cell.get("greedy_vs_decoupled"))
+    return f"{s} / {g}" if s else ""
 
 
 def markdown(cells: dict[str, dict], start: float) -> str:
@@ -510,6 +558,11 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         "behaviour KL / clip fraction",
         paired_text: "Final held-out sampled reward minus K = 0's, same arm, paired by seed: mean "
         "[95 % t CI]; italics: inside the noise (the interval holds 0)",
+        greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm, paired by seed)",
+        bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed: sampled / greedy, "
+        "mean [95 % t CI]; italics: inside the noise",
+        decoupled_text: "The correction alone: final held-out reward minus plain `decoupled`'s at the same K, "
+        "paired by seed: sampled / greedy; italics: inside the noise",
         anchors_text: "Both anchors at full lag: share of tokens with pi / mu outside 1 -+ 0.2 / the same "
         "for pi / pi_old (medians per run, mean over seeds) / largest pi / mu / largest IS weight",
     }

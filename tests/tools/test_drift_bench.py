@@ -138,8 +138,8 @@ def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
 
 def test_arms_separate_anchor_clip_and_correction_and_pair_each_lag_with_k0():
     """Each arm's spec differs from the others in what its name says, ``arm_of`` inverts
-    ``cell_spec`` (the old ``none`` is ``bypass``), and ``paired_to_k0`` pairs by seed."""
-    from lab.drift_grid import ARMS, arm_of, cell_spec, paired_to_k0, spec_overrides
+    ``cell_spec`` (the old ``none`` is ``bypass``), and ``add_paired_differences`` pairs by seed."""
+    from lab.drift_grid import ARMS, add_paired_differences, arm_of, cell_spec, spec_overrides
 
     specs = {arm: spec_overrides(cell_spec(4, arm)) for arm in ARMS}
     assert specs["bypass_noclip"] == {**specs["bypass"], "algo/objective": "reinforce"}
@@ -152,12 +152,44 @@ def test_arms_separate_anchor_clip_and_correction_and_pair_each_lag_with_k0():
         cell_spec(2, "tis"): {"runs": [{"seed": 1, "final_sampled": 0.6}, {"seed": 0, "final_sampled": 0.2}]},
         cell_spec(2, "bypass"): {"runs": [{"seed": 0, "final_sampled": 0.1}]},  # no K = 0: unpaired
     }
-    paired_to_k0(cells)
+    add_paired_differences(cells)
     p = cells[cell_spec(2, "tis")]["vs_k0"]
     assert p["n"] == 2 and abs(p["mean"] - (-0.3 - 0.1) / 2) < 1e-12
     # diffs -0.3, -0.1: sd 0.1414, half-width 12.706 * 0.1414 / sqrt(2) = 1.2706
     assert abs(p["ci"][1] - p["ci"][0] - 2 * 1.2706) < 1e-3 and p["inside_noise"]
     assert "vs_k0" not in cells[cell_spec(2, "bypass")] and "vs_k0" not in cells[cell_spec(0, "tis")]
+
+
+def test_cells_pair_with_bypass_and_decoupled_at_the_same_lag_for_both_rewards():
+    """``vs_bypass`` pairs any arm with ``bypass`` at its own K (never across K or across other
+    overrides), ``vs_decoupled`` only the corrected arms with plain ``decoupled``; sampled and
+    greedy each."""
+    from lab.drift_grid import add_paired_differences, cell_spec
+
+    def cell(*runs):
+        return {"runs": [{"seed": s, "final_sampled": f, "greedy": g} for s, f, g in runs]}
+
+    cells = {
+        cell_spec(4, "bypass"): cell((0, 0.5, 0.9), (1, 0.4, 0.8)),
+        cell_spec(4, "decoupled"): cell((0, 0.6, 0.85), (1, 0.5, 0.75)),
+        cell_spec(4, "tseq_is"): cell((1, 0.7, 0.9), (0, 0.6, 0.95), (2, 0.9, 0.9)),  # seed 2: unpaired
+        cell_spec(8, "tis"): cell((0, 0.1, 0.1), (1, 0.2, 0.2)),  # no K = 8 reference: unpaired
+        cell_spec(4, "bypass", ["algo.epochs=2"]): cell((0, 0.0, 0.0), (1, 0.0, 0.0)),
+    }
+    add_paired_differences(cells)
+    t = cells[cell_spec(4, "tseq_is")]
+    assert t["vs_bypass"]["n"] == 2 and abs(t["vs_bypass"]["mean"] - (0.1 + 0.3) / 2) < 1e-12
+    assert abs(t["greedy_vs_bypass"]["mean"] - (0.05 + 0.1) / 2) < 1e-12
+    assert abs(t["vs_decoupled"]["mean"] - (0.0 + 0.2) / 2) < 1e-12
+    assert abs(t["greedy_vs_decoupled"]["mean"] - (0.1 + 0.15) / 2) < 1e-12
+    d = cells[cell_spec(4, "decoupled")]
+    assert abs(d["vs_bypass"]["mean"] - 0.1) < 1e-12 and "vs_decoupled" not in d
+    assert (
+        "vs_decoupled" not in cells[cell_spec(4, "bypass")]
+        and "vs_bypass" not in cells[cell_spec(4, "bypass")]
+    )
+    assert "vs_bypass" not in cells[cell_spec(8, "tis")]
+    assert "vs_bypass" not in cells[cell_spec(4, "bypass", ["algo.epochs=2"])]
 
 
 def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
