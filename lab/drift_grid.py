@@ -318,30 +318,43 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
     return out
 
 
-def start_reward(out: Path, stored: dict | None = None) -> float:
+def start_reward(out: Path, stored: dict | None = None, mixed: bool = False) -> float:
     """The warm start's held-out sampled reward: the initial evaluations cached under ``out``
     and the one each stored run began from, which must agree to 1e-6 (a rebuilt warm start
-    that differs would make the runs incomparable); NaN with none of them."""
+    that differs would make the runs incomparable); NaN with none of them. ``mixed`` accepts
+    several (the warm start rebuilt on another machine, its last bits different) and returns
+    the store's first: each run is then judged against its own start (``table``) and the
+    tables mark the cells with runs from another build."""
     starts = [rec["start_sampled"] for rec in (stored or {}).values()]
     starts += [
         json.loads(p.read_text())["metrics"]["eval/sampled_reward_mean"]
         for p in (out / "initial_eval").glob("*.json")
     ]
     distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
-    if len(distinct) > 1:
+    if len(distinct) > 1 and not mixed:
         raise SystemExit(
-            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable"
+            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable "
+            "(--mixed-warm-starts to read them together, each judged against its own start)"
         )
     return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
 
 
 def table(
-    out: Path, specs: list[str], seeds: list[int], drop: float, detector: dict, stored: dict | None = None
+    out: Path,
+    specs: list[str],
+    seeds: list[int],
+    drop: float,
+    detector: dict,
+    stored: dict | None = None,
+    mixed: bool = False,
 ) -> dict:
     """The cells' outcomes from the ``stored`` records (``lab.run_store.load``) and the
-    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks."""
+    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks. With
+    ``mixed`` (runs from several builds of the warm start) a stored run is judged against its
+    own start, and each cell counts its runs from another start than the store's first
+    (``other_start``)."""
     cells = {}
-    start = start_reward(out, stored)
+    start = start_reward(out, stored, mixed)
     for spec in specs:
         runs, missing = [], []
         for seed in seeds:
@@ -351,7 +364,9 @@ def table(
                 continue
             if math.isnan(start):
                 raise SystemExit(f"no warm-start evaluation under {out / 'initial_eval'} nor in the store")
-            runs.append({"seed": seed, **outcome(*found, start, drop, detector, lag_of(spec))})
+            own = ((stored or {}).get((spec, seed)) or {}).get("start_sampled")
+            own = own if own is not None and math.isfinite(own) else start
+            runs.append({"seed": seed, "start": own, **outcome(*found, own, drop, detector, lag_of(spec))})
         if not runs:
             continue
         # a run that stopped early (non-finite losses) has no final evaluation: counted as a
@@ -377,6 +392,7 @@ def table(
             "false_alarms": sum(bool(r["false_alarm"]) for r in runs),
             "acted": sum(r["acted"] for r in runs),
             "n": len(runs),
+            "other_start": sum(abs(r["start"] - start) > 1e-6 for r in runs),
             "missing_seeds": missing,
             "runs": runs,
         }
@@ -492,6 +508,8 @@ def reward_text(cell: dict) -> str:
     if cell["collapsed"]:
         steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
         text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
+    if cell.get("other_start"):
+        text += f" (rebuilt start: {cell['other_start']})"
     return text
 
 
@@ -572,6 +590,14 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         for row in rows:
             out = [fmt(grid[(row, col)]) if (row, col) in grid else "" for col in cols]
             lines.append(f"| {row} | " + " | ".join(out) + " |")
+    starts = sorted({round(r["start"], 4) for c in cells.values() for r in c["runs"] if "start" in r})
+    if len(starts) > 1:
+        lines += [
+            "",
+            f"(rebuilt start: n): n of the cell's runs began from another build of the warm start "
+            f"than the store's first ({start:.4f}); the builds' held-out sampled rewards: "
+            + ", ".join(f"{x:.4f}" for x in starts),
+        ]
     return "\n".join(lines[1:])
 
 
@@ -624,6 +650,11 @@ def main() -> None:
         "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
+    parser.add_argument(
+        "--mixed-warm-starts",
+        action="store_true",
+        help="read runs from several builds of the warm start together (each judged against its own)",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -681,7 +712,7 @@ def main() -> None:
     detector = {
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
-    result = table(out, specs, args.seeds, args.drop, detector, stored)
+    result = table(out, specs, args.seeds, args.drop, detector, stored, args.mixed_warm_starts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     runs = {}
@@ -692,7 +723,8 @@ def main() -> None:
                 runs[f"{short(spec)} s{seed}"] = found[0]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
-    print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))
+    start = start_reward(out, stored, args.mixed_warm_starts)
+    print(markdown(result["cells"], start) if args.markdown else json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 A long grid (``lab.drift_grid``: ~4-5 min a run, 90 runs) takes several sessions, and a
 session's ``outputs/`` is not kept: a fresh checkout starts without it. The store is one JSON
 line per finished run: ``spec``, ``seed``, the extra overrides and evaluation interval it ran
-with, the commit it ran on, its warm start's and final held-out evaluation, and the metrics rows
+with, the commit it ran on, its warm start's weights' hash and held-out evaluation, its final one, and the metrics rows
 an analysis reads (~70 kB a run, so ~6 MB for a 90-run grid). ``--resume`` skips what the store
 holds; ``--analyze`` reads the store and the finished run directories together. Rows keep the
 logged strings of ``metrics.csv`` (the columns in ``keep``), so an analysis of those columns
@@ -83,11 +83,14 @@ def record(run_dir: Path, spec: str, seed: int, setup: dict, error: str | None =
     points = json.loads(summary.read_text()) if summary.exists() else {}
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
     first = points.get("first") or {}
+    curve = run_dir / "heldout_curve.json"
+    warm_start = json.loads(curve.read_text()).get("initial_weights") if curve.exists() else None
     return {
         "spec": spec,
         "seed": seed,
         **setup,
         "start_sampled": first.get("eval/sampled_reward_mean"),
+        "warm_start": warm_start,  # sha256 of the warm start's weights (None in older records)
         "last": points.get("last"),
         "error": error,
         "rows": trim(rows),

@@ -100,10 +100,11 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
         # The starting policy is model.path for every run of a config: with ``initial`` its
         # evaluation is read from there when a run before this one wrote it (same weights,
         # same prompts and per-request seeds), else made and written there.
+        initial_weights = weights_fingerprint(Path(cfg.module.model_path))
         key = json.dumps(
             {
                 "model": str(cfg.module.model_path),
-                "weights": weights_fingerprint(Path(cfg.module.model_path)),
+                "weights": initial_weights,
                 "engine": OmegaConf.to_container(cfg.engine, resolve=True),
                 "eval": eval_signature(dm),
             },
@@ -178,6 +179,9 @@ def evaluate_run(run_dir: Path, initial: Path | None = None) -> dict[str, Any]:
     result = {
         "run_dir": str(run_dir),
         "points": points,
+        # which build of the warm start the run began from (a rebuild on another machine can
+        # differ in the last bits: runs from two builds do not pair exactly)
+        "initial_weights": initial_weights,
         "sources": [str(p) for _, p in sources],
         "weight_check_max_abs_diff": max_diff,
         "posthoc_eval_s": eval_s,

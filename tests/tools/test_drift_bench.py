@@ -342,6 +342,34 @@ def test_runs_from_different_warm_starts_are_refused(tmp_path):
     assert math.isnan(start_reward(tmp_path / "none", {}))
 
 
+def test_runs_from_two_builds_of_the_warm_start_are_read_together_only_when_asked(tmp_path):
+    """A warm start rebuilt on another machine evaluates a little differently: the tables refuse
+    to mix its runs with the store's unless asked, and then judge each run against its own start
+    and mark the cells that hold runs from the other build. The store keeps the build's hash."""
+    from lab import run_store
+    from lab.drift_grid import cell_spec, markdown, start_reward, table
+
+    spec = cell_spec(0, "bypass")
+    run = write_run(tmp_path / "runs" / "seed0", rows_of([0.5] * 20), 0.41)
+    (run / "eval_summary.json").write_text(
+        json.dumps({"first": {"eval/sampled_reward_mean": 0.40}, "last": {"eval/sampled_reward_mean": 0.41}})
+    )
+    (run / "heldout_curve.json").write_text(json.dumps({"initial_weights": "abc123"}))
+    rec0 = run_store.record(run, spec, 0, {"overrides": [], "eval_every": 20, "commit": "x"})
+    assert rec0["warm_start"] == "abc123" and rec0["start_sampled"] == 0.40
+    rec1 = {**rec0, "seed": 1, "start_sampled": 0.42, "warm_start": "def456"}  # final 0.41 < 0.42
+    stored = {(spec, 0): rec0, (spec, 1): rec1}
+    out = tmp_path / "fresh"  # a new checkout: the store only
+    with pytest.raises(SystemExit, match="--mixed-warm-starts"):
+        table(out, [spec], [0, 1], 0.15, {}, stored)
+    assert start_reward(out, stored, mixed=True) == 0.40  # the store's first
+    cell = table(out, [spec], [0, 1], 0.15, {}, stored, mixed=True)["cells"][spec]
+    assert [r["collapsed"] for r in cell["runs"]] == [False, True]  # each against its own start
+    assert [r["start"] for r in cell["runs"]] == [0.40, 0.42] and cell["other_start"] == 1
+    md = markdown({spec: cell}, 0.40)
+    assert "(rebuilt start: 1)" in md and "0.4000, 0.4200" in md
+
+
 def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
     """Two workers on one cell: the second skips the seed the first is running (one directory
     per run), and takes it once the first lets go."""
