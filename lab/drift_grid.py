@@ -339,6 +339,17 @@ def start_reward(out: Path, stored: dict | None = None, mixed: bool = False) -> 
     return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
 
 
+def run_start(out: Path, spec: str, seed: int, stored: dict | None = None) -> float | None:
+    """The held-out sampled reward of the warm start a run began from: its store record's, else
+    its directory's first evaluation; None when neither has it."""
+    if stored and (spec, seed) in stored:
+        return stored[(spec, seed)].get("start_sampled")
+    summary = out / run_dir_name(spec) / f"seed{seed}" / "eval_summary.json"
+    if summary.exists():
+        return (json.loads(summary.read_text()).get("first") or {}).get("eval/sampled_reward_mean")
+    return None
+
+
 def table(
     out: Path,
     specs: list[str],
@@ -364,7 +375,7 @@ def table(
                 continue
             if math.isnan(start):
                 raise SystemExit(f"no warm-start evaluation under {out / 'initial_eval'} nor in the store")
-            own = ((stored or {}).get((spec, seed)) or {}).get("start_sampled")
+            own = run_start(out, spec, seed, stored)
             own = own if own is not None and math.isfinite(own) else start
             runs.append({"seed": seed, "start": own, **outcome(*found, own, drop, detector, lag_of(spec))})
         if not runs:

@@ -368,6 +368,13 @@ def test_runs_from_two_builds_of_the_warm_start_are_read_together_only_when_aske
     assert [r["start"] for r in cell["runs"]] == [0.40, 0.42] and cell["other_start"] == 1
     md = markdown({spec: cell}, 0.40)
     assert "(rebuilt start: 1)" in md and "0.4000, 0.4200" in md
+    # a finished run not stored yet: its own directory's first evaluation
+    from lab.drift_grid import run_start
+    from lab.modes import run_dir_name
+
+    shutil.copytree(run, out / run_dir_name(spec) / "seed2")
+    assert run_start(out, spec, 2, stored) == 0.40 and run_start(out, spec, 1, stored) == 0.42
+    assert run_start(out, spec, 3, stored) is None
 
 
 def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
