@@ -107,7 +107,9 @@ def mean_ci(xs: list[float]) -> dict:
 
 def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
     """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
-    paired by seed, with a 95 % t interval (``mean_ci``). ``reference``: ``k0`` pairs a lagged
+    paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
+    written, i for the i-th ``--with-store``; never across builds), with a 95 % t interval
+    (``mean_ci``). ``reference``: ``k0`` pairs a lagged
     cell with the same arm (and the same other overrides) at K = 0; an arm's name (``bypass``,
     ``decoupled``, ...) pairs a cell with that arm at the same K (and the same other overrides).
     Cells without a reference are left out."""
@@ -131,12 +133,12 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
         base = ref_spec.get(ref_key[spec])
         if base is None or base == spec:
             continue
-        ref = {r["seed"]: r.get(key, math.nan) for r in cells[base]["runs"]}
-        diffs = [
-            r[key] - ref[r["seed"]]
-            for r in cell["runs"]
-            if r["seed"] in ref and math.isfinite(r.get(key, math.nan)) and math.isfinite(ref[r["seed"]])
-        ]
+        ref = {(r["seed"], r.get("build", 0)): r.get(key, math.nan) for r in cells[base]["runs"]}
+        diffs = []
+        for r in cell["runs"]:
+            partner = ref.get((r["seed"], r.get("build", 0)), math.nan)
+            if math.isfinite(r.get(key, math.nan)) and math.isfinite(partner):
+                diffs.append(r[key] - partner)
         if diffs:
             out[spec] = mean_ci(diffs)
     return out
@@ -318,36 +320,24 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
     return out
 
 
-def start_reward(out: Path, stored: dict | None = None, mixed: bool = False) -> float:
+def start_reward(out: Path, stored: dict | None = None) -> float:
     """The warm start's held-out sampled reward: the initial evaluations cached under ``out``
-    and the one each stored run began from, which must agree to 1e-6 (a rebuilt warm start
-    that differs would make the runs incomparable); NaN with none of them. ``mixed`` accepts
-    several (the warm start rebuilt on another machine, its last bits different) and returns
-    the store's first: each run is then judged against its own start (``table``) and the
-    tables mark the cells with runs from another build."""
+    and the one each stored run began from, which must agree to 1e-6: a store holds one build of
+    the warm start (rebuilt on another machine, it differs in its last bits and its runs do not
+    pair with these: keep them in another store, read beside this one with ``--with-store``);
+    NaN with none of them."""
     starts = [rec["start_sampled"] for rec in (stored or {}).values()]
     starts += [
         json.loads(p.read_text())["metrics"]["eval/sampled_reward_mean"]
         for p in (out / "initial_eval").glob("*.json")
     ]
     distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
-    if len(distinct) > 1 and not mixed:
+    if len(distinct) > 1:
         raise SystemExit(
-            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable "
-            "(--mixed-warm-starts to read them together, each judged against its own start)"
+            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable; "
+            "a store holds one build (another build's runs: another store, read with --with-store)"
         )
     return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
-
-
-def run_start(out: Path, spec: str, seed: int, stored: dict | None = None) -> float | None:
-    """The held-out sampled reward of the warm start a run began from: its store record's, else
-    its directory's first evaluation; None when neither has it."""
-    if stored and (spec, seed) in stored:
-        return stored[(spec, seed)].get("start_sampled")
-    summary = out / run_dir_name(spec) / f"seed{seed}" / "eval_summary.json"
-    if summary.exists():
-        return (json.loads(summary.read_text()).get("first") or {}).get("eval/sampled_reward_mean")
-    return None
 
 
 def table(
@@ -357,15 +347,16 @@ def table(
     drop: float,
     detector: dict,
     stored: dict | None = None,
-    mixed: bool = False,
+    others: list[dict] | tuple = (),
 ) -> dict:
     """The cells' outcomes from the ``stored`` records (``lab.run_store.load``) and the
-    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks. With
-    ``mixed`` (runs from several builds of the warm start) a stored run is judged against its
-    own start, and each cell counts its runs from another start than the store's first
-    (``other_start``)."""
+    run directories under ``out`` (``find_run``); each cell lists the seeds it lacks. ``others``:
+    the records of stores from other builds of the warm start (``--with-store``), read beside
+    these: their runs join the cells as ``build`` 1, 2, ..., each judged against its own store's
+    start and paired only within its build (``other_build`` counts them per cell)."""
     cells = {}
-    start = start_reward(out, stored, mixed)
+    start = start_reward(out, stored)
+    other_starts = [start_reward(out / "no-initial-eval", other) for other in others]
     for spec in specs:
         runs, missing = [], []
         for seed in seeds:
@@ -375,9 +366,13 @@ def table(
                 continue
             if math.isnan(start):
                 raise SystemExit(f"no warm-start evaluation under {out / 'initial_eval'} nor in the store")
-            own = run_start(out, spec, seed, stored)
-            own = own if own is not None and math.isfinite(own) else start
-            runs.append({"seed": seed, "start": own, **outcome(*found, own, drop, detector, lag_of(spec))})
+            runs.append({"seed": seed, "build": 0, **outcome(*found, start, drop, detector, lag_of(spec))})
+        for build, (other, other_start) in enumerate(zip(others, other_starts), start=1):
+            for seed in seeds:
+                if (spec, seed) in other:
+                    rec = other[(spec, seed)]
+                    o = outcome(rec["rows"], rec["last"], other_start, drop, detector, lag_of(spec))
+                    runs.append({"seed": seed, "build": build, **o})
         if not runs:
             continue
         # a run that stopped early (non-finite losses) has no final evaluation: counted as a
@@ -403,7 +398,7 @@ def table(
             "false_alarms": sum(bool(r["false_alarm"]) for r in runs),
             "acted": sum(r["acted"] for r in runs),
             "n": len(runs),
-            "other_start": sum(abs(r["start"] - start) > 1e-6 for r in runs),
+            "other_build": sum(r["build"] > 0 for r in runs),
             "missing_seeds": missing,
             "runs": runs,
         }
@@ -519,8 +514,8 @@ def reward_text(cell: dict) -> str:
     if cell["collapsed"]:
         steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
         text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
-    if cell.get("other_start"):
-        text += f" (rebuilt start: {cell['other_start']})"
+    if cell.get("other_build"):
+        text += f" ({cell['other_build']} other build)"
     return text
 
 
@@ -601,13 +596,12 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         for row in rows:
             out = [fmt(grid[(row, col)]) if (row, col) in grid else "" for col in cols]
             lines.append(f"| {row} | " + " | ".join(out) + " |")
-    starts = sorted({round(r["start"], 4) for c in cells.values() for r in c["runs"] if "start" in r})
-    if len(starts) > 1:
+    if any(c.get("other_build") for c in cells.values()):
         lines += [
             "",
-            f"(rebuilt start: n): n of the cell's runs began from another build of the warm start "
-            f"than the store's first ({start:.4f}); the builds' held-out sampled rewards: "
-            + ", ".join(f"{x:.4f}" for x in starts),
+            "(n other build): n of the cell's runs began from another build of the warm start "
+            "(a store read with --with-store); each is judged against its own build's start and "
+            "paired only with runs of its build.",
         ]
     return "\n".join(lines[1:])
 
@@ -662,9 +656,12 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
     parser.add_argument(
-        "--mixed-warm-starts",
-        action="store_true",
-        help="read runs from several builds of the warm start together (each judged against its own)",
+        "--with-store",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="read-only stores of other builds of the warm start, read beside --store (paired "
+        "only within a build; never resumed nor appended to)",
     )
     parser.add_argument(
         "--resume",
@@ -723,7 +720,8 @@ def main() -> None:
     detector = {
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
-    result = table(out, specs, args.seeds, args.drop, detector, stored, args.mixed_warm_starts)
+    others = [run_store.load(p) for p in args.with_store]
+    result = table(out, specs, args.seeds, args.drop, detector, stored, others)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     runs = {}
@@ -734,8 +732,7 @@ def main() -> None:
                 runs[f"{short(spec)} s{seed}"] = found[0]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
-    start = start_reward(out, stored, args.mixed_warm_starts)
-    print(markdown(result["cells"], start) if args.markdown else json.dumps(result))
+    print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))
 
 
 if __name__ == "__main__":

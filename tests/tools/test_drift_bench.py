@@ -342,39 +342,53 @@ def test_runs_from_different_warm_starts_are_refused(tmp_path):
     assert math.isnan(start_reward(tmp_path / "none", {}))
 
 
-def test_runs_from_two_builds_of_the_warm_start_are_read_together_only_when_asked(tmp_path):
-    """A warm start rebuilt on another machine evaluates a little differently: the tables refuse
-    to mix its runs with the store's unless asked, and then judge each run against its own start
-    and mark the cells that hold runs from the other build. The store keeps the build's hash."""
+def test_another_build_of_the_warm_start_is_read_from_its_own_store_and_paired_within_it(tmp_path):
+    """A warm start rebuilt on another machine evaluates a little differently. One store holds
+    one build (mixing is refused); another build's store is read beside it: its runs join the
+    cells, are judged against their own start, and pair only with runs of their own build. The
+    store keeps the build's weight hash."""
     from lab import run_store
-    from lab.drift_grid import cell_spec, markdown, start_reward, table
+    from lab.drift_grid import cell_spec, markdown, table
 
-    spec = cell_spec(0, "bypass")
+    k0, k2 = cell_spec(0, "bypass"), cell_spec(2, "bypass")
     run = write_run(tmp_path / "runs" / "seed0", rows_of([0.5] * 20), 0.41)
     (run / "eval_summary.json").write_text(
         json.dumps({"first": {"eval/sampled_reward_mean": 0.40}, "last": {"eval/sampled_reward_mean": 0.41}})
     )
     (run / "heldout_curve.json").write_text(json.dumps({"initial_weights": "abc123"}))
-    rec0 = run_store.record(run, spec, 0, {"overrides": [], "eval_every": 20, "commit": "x"})
-    assert rec0["warm_start"] == "abc123" and rec0["start_sampled"] == 0.40
-    rec1 = {**rec0, "seed": 1, "start_sampled": 0.42, "warm_start": "def456"}  # final 0.41 < 0.42
-    stored = {(spec, 0): rec0, (spec, 1): rec1}
-    out = tmp_path / "fresh"  # a new checkout: the store only
-    with pytest.raises(SystemExit, match="--mixed-warm-starts"):
-        table(out, [spec], [0, 1], 0.15, {}, stored)
-    assert start_reward(out, stored, mixed=True) == 0.40  # the store's first
-    cell = table(out, [spec], [0, 1], 0.15, {}, stored, mixed=True)["cells"][spec]
-    assert [r["collapsed"] for r in cell["runs"]] == [False, True]  # each against its own start
-    assert [r["start"] for r in cell["runs"]] == [0.40, 0.42] and cell["other_start"] == 1
-    md = markdown({spec: cell}, 0.40)
-    assert "(rebuilt start: 1)" in md and "0.4000, 0.4200" in md
-    # a finished run not stored yet: its own directory's first evaluation
-    from lab.drift_grid import run_start
-    from lab.modes import run_dir_name
+    rec = run_store.record(run, k0, 0, {"overrides": [], "eval_every": 20, "commit": "x"})
+    assert rec["warm_start"] == "abc123" and rec["start_sampled"] == 0.40
 
-    shutil.copytree(run, out / run_dir_name(spec) / "seed2")
-    assert run_start(out, spec, 2, stored) == 0.40 and run_start(out, spec, 1, stored) == 0.42
-    assert run_start(out, spec, 3, stored) is None
+    def at(spec, seed, start, final, greedy=0.9):
+        return {
+            **rec,
+            "spec": spec,
+            "seed": seed,
+            "start_sampled": start,
+            "last": {"eval/sampled_reward_mean": final, "eval/reward_mean": greedy},
+        }
+
+    # build A (read beside): K = 0 and K = 2, seeds 0-1; build B (the store written now): K = 2
+    # seeds 0-1, no K = 0 of its own yet, and its start 0.42
+    build_a = {
+        (k0, 0): at(k0, 0, 0.40, 0.60),
+        (k0, 1): at(k0, 1, 0.40, 0.70),
+        (k2, 0): at(k2, 0, 0.40, 0.50),
+        (k2, 1): at(k2, 1, 0.40, 0.65),
+    }
+    build_b = {(k2, 0): at(k2, 0, 0.42, 0.41), (k2, 1): at(k2, 1, 0.42, 0.90)}
+    out = tmp_path / "fresh"  # a new checkout: the stores only
+    with pytest.raises(SystemExit, match="--with-store"):
+        table(out, [k0, k2], [0, 1], 0.15, {}, {**build_a, (k2, 5): at(k2, 5, 0.42, 0.5)})
+    cells = table(out, [k0, k2], [0, 1], 0.15, {}, build_b, [build_a])["cells"]
+    runs = cells[k2]["runs"]
+    assert [(r["seed"], r["build"]) for r in runs] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["collapsed"] for r in runs] == [True, False, False, False]  # 0.41 < its own 0.42
+    assert cells[k2]["other_build"] == 2 and cells[k0]["other_build"] == 2
+    # paired only within build A (diffs -0.10, -0.05); build B has no K = 0 to pair with
+    assert cells[k2]["vs_k0"]["n"] == 2 and abs(cells[k2]["vs_k0"]["mean"] + 0.075) < 1e-12
+    assert abs(cells[k2]["final_sampled_mean"] - (0.41 + 0.90 + 0.50 + 0.65) / 4) < 1e-12
+    assert "(2 other build)" in markdown(cells, 0.42)
 
 
 def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
