@@ -515,7 +515,7 @@ def reward_text(cell: dict) -> str:
         steps = "/".join(str(x) for x in cell["collapse_steps"] if x is not None)
         text += f", **{cell['collapsed']} collapsed**" + (f" @{steps}" if steps else "")
     if cell.get("other_build"):
-        text += f" ({cell['other_build']} other build)"
+        text += f" ({cell['other_build']} of another build)"
     return text
 
 
@@ -576,17 +576,17 @@ def markdown(cells: dict[str, dict], start: float) -> str:
     used = {c for _, c in grid}
     cols = [c for c in dict.fromkeys([*ARMS, *CORRECTIONS, *MISMATCH, *sorted(used)]) if c in used]
     titles = {
-        reward_text: "Final held-out sampled reward, mean +- sd (n seeds) / greedy mean; collapsed = final below the "
+        reward_text: "Final held-out sampled reward, mean +- sd (n runs) / greedy mean; collapsed = final below the "
         f"warm start ({start:.3f})",
         diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
         "behaviour KL / clip fraction",
-        paired_text: "Final held-out sampled reward minus K = 0's, same arm, paired by seed: mean "
+        paired_text: "Final held-out sampled reward minus K = 0's, same arm, paired by seed within a build: mean "
         "[95 % t CI]; italics: inside the noise (the interval holds 0)",
-        greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm, paired by seed)",
-        bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed: sampled / greedy, "
+        greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm, paired by seed within a build)",
+        bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed within a build: sampled / greedy, "
         "mean [95 % t CI]; italics: inside the noise",
         decoupled_text: "The correction alone: final held-out reward minus plain `decoupled`'s at the same K, "
-        "paired by seed: sampled / greedy; italics: inside the noise",
+        "paired by seed within a build: sampled / greedy; italics: inside the noise",
         anchors_text: "Both anchors at full lag: share of tokens with pi / mu outside 1 -+ 0.2 / the same "
         "for pi / pi_old (medians per run, mean over seeds) / largest pi / mu / largest IS weight",
     }
@@ -599,7 +599,7 @@ def markdown(cells: dict[str, dict], start: float) -> str:
     if any(c.get("other_build") for c in cells.values()):
         lines += [
             "",
-            "(n other build): n of the cell's runs began from another build of the warm start "
+            "(n of another build): n of the cell's runs began from another build of the warm start "
             "(a store read with --with-store); each is judged against its own build's start and "
             "paired only with runs of its build.",
         ]

@@ -388,7 +388,7 @@ def test_another_build_of_the_warm_start_is_read_from_its_own_store_and_paired_w
     # paired only within build A (diffs -0.10, -0.05); build B has no K = 0 to pair with
     assert cells[k2]["vs_k0"]["n"] == 2 and abs(cells[k2]["vs_k0"]["mean"] + 0.075) < 1e-12
     assert abs(cells[k2]["final_sampled_mean"] - (0.41 + 0.90 + 0.50 + 0.65) / 4) < 1e-12
-    assert "(2 other build)" in markdown(cells, 0.42)
+    assert "(2 of another build)" in markdown(cells, 0.42)
 
 
 def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
