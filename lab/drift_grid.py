@@ -721,6 +721,8 @@ def main() -> None:
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
     others = [run_store.load(p) for p in args.with_store]
+    for other in others:  # another build of the same experiment, not another experiment
+        check_setup(other, specs, {"overrides": args.overrides, "eval_every": args.eval_every})
     result = table(out, specs, args.seeds, args.drop, detector, stored, others)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
