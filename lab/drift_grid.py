@@ -332,10 +332,12 @@ def start_reward(out: Path, stored: dict | None = None) -> float:
         for p in (out / "initial_eval").glob("*.json")
     ]
     distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
-    if len(distinct) > 1:
+    hashes = {rec.get("warm_start") for rec in (stored or {}).values()} - {None}
+    if len(distinct) > 1 or len(hashes) > 1:
         raise SystemExit(
-            f"runs from different warm starts (held-out sampled {sorted(distinct)}): not comparable; "
-            "a store holds one build (another build's runs: another store, read with --with-store)"
+            f"runs from different warm starts (held-out sampled {sorted(distinct)}, weights "
+            f"{sorted(h[:12] for h in hashes)}): not comparable; a store holds one build (another "
+            "build's runs: another store, read with --with-store)"
         )
     return next((x for x in starts if x is not None and math.isfinite(x)), math.nan)
 
@@ -357,6 +359,16 @@ def table(
     cells = {}
     start = start_reward(out, stored)
     other_starts = [start_reward(out / "no-initial-eval", other) for other in others]
+    seen = [start] if math.isfinite(start) else []
+    for i, other_start in enumerate(other_starts, start=1):
+        if not math.isfinite(other_start):
+            raise SystemExit(f"--with-store #{i} holds no run with a warm-start evaluation")
+        if any(abs(other_start - x) <= 1e-6 for x in seen):
+            raise SystemExit(
+                f"--with-store #{i} is a build already read (warm start {other_start:.6f}): its runs "
+                "would count twice"
+            )
+        seen.append(other_start)
     for spec in specs:
         runs, missing = [], []
         for seed in seeds:
@@ -447,6 +459,26 @@ def run_lock(out: Path, spec: str, seed: int) -> Iterator[bool]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def other_build(rec: dict, stored: dict) -> str | None:
+    """Why ``rec`` began from another build of the warm start than the ``stored`` runs (its
+    weight hash or its held-out start differs from theirs), or None."""
+    starts = {round(r["start_sampled"], 6) for r in stored.values() if _finite(r.get("start_sampled"))}
+    hashes = {r.get("warm_start") for r in stored.values()} - {None}
+    if rec.get("warm_start") and hashes and rec["warm_start"] not in hashes:
+        return (
+            f"its warm start's weights {rec['warm_start'][:12]} are not the store's {sorted(hashes)[0][:12]}"
+        )
+    if _finite(rec.get("start_sampled")) and starts and round(rec["start_sampled"], 6) not in starts:
+        return (
+            f"its warm start evaluates at {rec['start_sampled']:.6f}, the store's at {sorted(starts)[0]:.6f}"
+        )
+    return None
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
 def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict, setup: dict) -> None:
     """Append ``spec``'s finished runs that the store lacks: those with a held-out evaluation, and
     those that stopped on non-finite losses (``run_recipe``'s ``diverged``: an outcome of the
@@ -459,6 +491,13 @@ def archive(out: Path, spec: str, results: list[dict], store: Path, stored: dict
         if (spec, seed) in stored or not (finished or result.get("diverged")):
             continue
         rec = run_store.record(run_dir, spec, seed, setup, None if finished else result["error"])
+        reason = other_build(rec, stored)
+        if reason:
+            raise SystemExit(
+                f"{run_dir} is not stored in {store}: {reason}. This machine's warm start is another "
+                "build than the store's: give it its own store (and its own K = 0 runs) and read "
+                "this one beside it with --with-store"
+            )
         run_store.append(store, rec)
         stored[(spec, seed)] = rec
 
@@ -692,6 +731,15 @@ def main() -> None:
         print(json.dumps({"runs": len(alarms), "alarmed": len(fired), "first_alarm": fired}))
         return
     out = args.analyze or args.out
+    for path in args.with_store:  # read-only: a typo would silently read nothing
+        if not path.exists():
+            parser.error(f"--with-store {path}: no such file")
+    paths = [p.resolve() for p in args.with_store] + ([args.store.resolve()] if args.store else [])
+    if len(set(paths)) < len(paths):
+        parser.error("--with-store names a store twice, or the --store itself: its runs would count twice")
+    others = [run_store.load(p) for p in args.with_store]
+    for other in others:  # another build of the same experiment, not another experiment
+        check_setup(other, specs, {"overrides": args.overrides, "eval_every": args.eval_every})
     stored = run_store.load(args.store) if args.store else None
     if stored is not None:
         if not args.eval_every:
@@ -720,9 +768,6 @@ def main() -> None:
     detector = {
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
-    others = [run_store.load(p) for p in args.with_store]
-    for other in others:  # another build of the same experiment, not another experiment
-        check_setup(other, specs, {"overrides": args.overrides, "eval_every": args.eval_every})
     result = table(out, specs, args.seeds, args.drop, detector, stored, others)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))

@@ -389,6 +389,40 @@ def test_another_build_of_the_warm_start_is_read_from_its_own_store_and_paired_w
     assert cells[k2]["vs_k0"]["n"] == 2 and abs(cells[k2]["vs_k0"]["mean"] + 0.075) < 1e-12
     assert abs(cells[k2]["final_sampled_mean"] - (0.41 + 0.90 + 0.50 + 0.65) / 4) < 1e-12
     assert "(2 of another build)" in markdown(cells, 0.42)
+    with pytest.raises(SystemExit, match="count twice"):  # one build read twice
+        table(out, [k0, k2], [0, 1], 0.15, {}, build_b, [build_a, dict(build_a)])
+    with pytest.raises(SystemExit, match="no run with a warm-start evaluation"):
+        table(out, [k0, k2], [0, 1], 0.15, {}, build_b, [{(k0, 0): {**rec, "start_sampled": None}}])
+
+
+def test_a_run_of_another_build_is_not_appended_to_the_store(tmp_path):
+    """A machine whose rebuilt warm start differs (its hash, or for older records its held-out
+    start) cannot add its runs to a store of another build: the store stays one build."""
+    from lab.drift_grid import archive, cell_spec, other_build
+
+    spec = cell_spec(2, "tis")
+    run = write_run(tmp_path / "out" / "x", rows_of([0.5] * 5), 0.6)
+    stored_a = {(spec, 0): {"start_sampled": 0.3867, "warm_start": None}}
+    assert "evaluates at 0.385900" in other_build({"start_sampled": 0.3859, "warm_start": "b"}, stored_a)
+    assert other_build({"start_sampled": 0.3867, "warm_start": "b"}, stored_a) is None
+    stored_b = {(spec, 0): {"start_sampled": 0.3859, "warm_start": "bbb"}}
+    assert "weights" in other_build({"start_sampled": 0.3859, "warm_start": "ccc"}, stored_b)
+    assert other_build({"start_sampled": None, "warm_start": None}, stored_b) is None  # a diverged run
+    # archive refuses, and writes nothing
+    from lab.modes import run_dir_name
+
+    run_dir = tmp_path / "out" / run_dir_name(spec) / "seed1"
+    shutil.copytree(run, run_dir)
+    (run_dir / "eval_summary.json").write_text(
+        json.dumps({"first": {"eval/sampled_reward_mean": 0.3859}, "last": {"eval/sampled_reward_mean": 0.6}})
+    )
+    (run_dir / "heldout_curve.json").write_text(json.dumps({"initial_weights": "ccc"}))
+    store = tmp_path / "store.jsonl"
+    with pytest.raises(SystemExit, match="its own store"):
+        archive(
+            tmp_path / "out", spec, [{"seed": 1}], store, dict(stored_b), {"overrides": [], "eval_every": 20}
+        )
+    assert not store.exists()
 
 
 def test_a_run_another_worker_holds_is_left_to_it(tmp_path):

@@ -70,6 +70,7 @@ def test_corrected_mismatch_is_quiet():
         (["rollout=streaming", "algo.minibatches=4"], "without the sync barrier"),
         (["recipe=partial_grpo", "algo.epochs=2"], "without the sync barrier"),
         (["callbacks.weight_sync.lag=2", "algo.minibatches=4"], "callbacks.weight_sync.lag=2"),
+        (["data.sync_every=2", "algo.minibatches=4"], "data.sync_every"),  # a lag by another name
     ],
 )
 def test_several_steps_per_batch_under_lag_with_the_bypass_anchor_warn_at_start_up(overrides, where, caplog):
@@ -94,7 +95,17 @@ def test_several_steps_per_batch_under_lag_with_the_bypass_anchor_warn_at_start_
         ["recipe=gsm8k_grpo"],
         ["recipe=math_grpo"],
         ["rollout=streaming", "algo.minibatches=four"],  # a bad value: its own check reports it
+        ["rollout=streaming", "algo.minibatches=4", "rollout.max_staleness=0"],  # on-policy streaming
+        # recompute re-anchors stale groups itself and needs the bypass anchor (validate refuses decoupled)
+        ["rollout=streaming", "algo.minibatches=4", "rollout/staleness=recompute"],
     ],
 )
 def test_the_lag_anchor_warning_is_quiet_otherwise(overrides):
     assert lag_anchor_warning(compose(overrides)) is None
+
+
+def test_the_lag_anchor_warning_reads_a_config_without_a_weight_sync_group():
+    message = lag_anchor_warning(
+        compose(["rollout=streaming", "algo.minibatches=4", "callbacks.weight_sync=null"])
+    )
+    assert message is not None and "without the sync barrier" in message
