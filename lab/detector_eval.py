@@ -119,7 +119,7 @@ def load_runs(store: Path, drop: float = 0.15) -> list[Run]:
     """A store's runs with ``lab.drift_grid.outcome``'s verdicts (against the warm start the
     store's own runs began from)."""
     stored = run_store.load(store)
-    start = start_reward(store.parent / "no-initial-eval", stored)  # the store's evaluations only
+    start = start_reward(None, stored)  # the store's evaluations only
     runs = []
     for (spec, seed), rec in sorted(
         stored.items(), key=lambda kv: (lag_of(kv[0][0]), arm_of(kv[0][0]), kv[0][1])

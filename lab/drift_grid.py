@@ -320,7 +320,7 @@ def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
     return out
 
 
-def start_reward(out: Path, stored: dict | None = None) -> float:
+def start_reward(out: Path | None, stored: dict | None = None) -> float:
     """The warm start's held-out sampled reward: the initial evaluations cached under ``out``
     and the one each stored run began from, which must agree to 1e-6: a store holds one build of
     the warm start (rebuilt on another machine, it differs in its last bits and its runs do not
@@ -329,7 +329,7 @@ def start_reward(out: Path, stored: dict | None = None) -> float:
     starts = [rec["start_sampled"] for rec in (stored or {}).values()]
     starts += [
         json.loads(p.read_text())["metrics"]["eval/sampled_reward_mean"]
-        for p in (out / "initial_eval").glob("*.json")
+        for p in ((out / "initial_eval").glob("*.json") if out is not None else ())  # None: the store's only
     ]
     distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
     hashes = {rec.get("warm_start") for rec in (stored or {}).values()} - {None}
@@ -358,7 +358,7 @@ def table(
     start and paired only within its build (``other_build`` counts them per cell)."""
     cells = {}
     start = start_reward(out, stored)
-    other_starts = [start_reward(out / "no-initial-eval", other) for other in others]
+    other_starts = [start_reward(None, other) for other in others]
     seen = [start] if math.isfinite(start) else []
     for i, other_start in enumerate(other_starts, start=1):
         if not math.isfinite(other_start):
