@@ -8,6 +8,7 @@ nothing decoded and re-encoded). Observation tokens are masked and carry no beha
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -41,6 +42,19 @@ class Task:
 
     def reward(self, row: dict, text: str) -> float:  # not used: the environment scores
         raise AssertionError("episodes are scored by their environment")
+
+
+def turn_tokens(engine, turn: int) -> int:
+    """Tokens generated so far by the engine request of model turn ``turn`` (0-based; ids
+    ``<rid>-t<turn>[-r<k>]``, see ``EpisodeRunner``), 0 before it is scheduled. vLLM's output processor collects every step's tokens, also for requests that
+    return only their final output; the test reads that to order a sync inside a turn."""
+    proc = engine._llm.output_processor
+    for rid, internal in list(proc.external_req_ids.items()):
+        if re.search(rf"-t{turn}(-r\d+)?$", rid):
+            for state in [proc.request_states.get(i) for i in list(internal)]:
+                if state is not None:
+                    return state.detokenizer.num_output_tokens()
+    return 0
 
 
 def test_trained_tokens_are_the_sampled_tokens_and_observations_are_masked(engine, models):
@@ -179,24 +193,21 @@ def test_partial_rollout_aborts_a_turn_at_a_sync_and_resumes_it_on_the_new_weigh
     ctl.bind(RolloutContext(engine, Task(), tok, PromptStream([]), GroupAdvantage(), episodes=runner))
     prompt = tok("47*38?")["input_ids"]
     try:
-        whole_s = float("inf")  # the whole episode, timed, so that the sync lands in turn 2
-        for seed in (1, 2):
-            t0 = time.monotonic()
-            runner.submit(prompt, {"id": 0}, sampling, seed, f"timing-{seed}").result(timeout=120)
-            whole_s = min(whole_s, time.monotonic() - t0)
         for _ in range(3):
             p = Pending({"id": 0}, 0, 0, 11, v0, prompt_ids=prompt)
-            t0, done_at = time.monotonic(), []
             fut = ctl.submit(p)
-            fut.add_done_callback(lambda _f, d=done_at: d.append(time.monotonic()))
-            time.sleep(whole_s * 0.75)
+            # the sync lands once turn 2 has a few tokens from v0: ordered by the engine's own
+            # progress, not by a sleep (a timed sleep raced the episode on a busy machine)
+            deadline = time.monotonic() + 120
+            while turn_tokens(engine, 1) < 4 and not fut.done():
+                assert time.monotonic() < deadline, "turn 2 never started"
+                time.sleep(0.001)
             engine.update_weights(named_weights(new), v0 + 1, inflight="abort")
             comp = fut.result(timeout=120)
             if comp.finish_reason != "stop":
                 break
-            # the episode outran its timing (timed while the machine was busier): time it
-            # again from this run, put the old weights back and retry
-            whole_s = min(whole_s, (done_at[0] if done_at else time.monotonic()) - t0)
+            # the thread was starved while the engine wrote the other 56 tokens: put the old
+            # weights back and retry
             engine.update_weights(named_weights(old), v0 + 2)
             v0 = engine.version
         assert comp.finish_reason == "abort" and ctl.is_unfinished(comp, p)
