@@ -110,15 +110,22 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
     paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
     written, i for the i-th ``--with-store``; never across builds), with a 95 % t interval
     (``mean_ci``). ``reference``: ``k0`` pairs a lagged
-    cell with the same arm (and the same other overrides) at K = 0; an arm's name (``bypass``,
-    ``decoupled``, ...) pairs a cell with that arm at the same K (and the same other overrides).
-    Cells without a reference are left out."""
-    ref_key, ref_spec = {}, {}
+    cell with the same arm (and the same other overrides) at K = 0; a corrected decoupled arm
+    without a K = 0 cell of its own pairs with plain ``decoupled`` at K = 0 instead (the same
+    loss there: mu is pi_old, every weight 1; the result's ``reference`` names it); an arm's
+    name (``bypass``, ``decoupled``, ...) pairs a cell with that arm at the same K (and the same
+    other overrides). Cells without a reference are left out."""
+    ref_key, ref_spec, fallback = {}, {}, {}
     for spec in cells:
         parts = spec_overrides(spec)
         if reference == "k0":
             parts.pop("callbacks.weight_sync.lag", None)
             is_ref = lag_of(spec) == 0
+            if (
+                parts.get("algo.loss.anchor") == "decoupled"
+                and parts.get("algo/correction", "none") != "none"
+            ):
+                fallback[spec] = tuple(sorted({**parts, "algo/correction": "none"}.items()))
         elif reference in ARMS:
             for k in ("algo/correction", "algo.loss.anchor", "algo/objective"):
                 parts.pop(k, None)
@@ -131,6 +138,8 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
     out = {}
     for spec, cell in cells.items():
         base = ref_spec.get(ref_key[spec])
+        if base is None and spec in fallback and lag_of(spec) != 0:
+            base = ref_spec.get(fallback[spec])
         if base is None or base == spec:
             continue
         ref = {(r["seed"], r.get("build", 0)): r.get(key, math.nan) for r in cells[base]["runs"]}
@@ -141,6 +150,8 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
                 diffs.append(r[key] - partner)
         if diffs:
             out[spec] = mean_ci(diffs)
+            if reference == "k0" and arm_of(base) != arm_of(spec):
+                out[spec]["reference"] = arm_of(base)
     return out
 
 
@@ -576,7 +587,8 @@ def ci_text(p: dict | None) -> str:
     if not p or p["ci"] is None:
         return ""
     text = f"{p['mean']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]"
-    return f"*{text}*" if p["inside_noise"] else f"**{text}**"
+    text = f"*{text}*" if p["inside_noise"] else f"**{text}**"
+    return f"{text} (vs {p['reference']})" if p.get("reference") else text
 
 
 def paired_text(cell: dict) -> str:

@@ -160,6 +160,38 @@ def test_arms_separate_anchor_clip_and_correction_and_pair_each_lag_with_k0():
     assert "vs_k0" not in cells[cell_spec(2, "bypass")] and "vs_k0" not in cells[cell_spec(0, "tis")]
 
 
+def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and_says_so():
+    """At K = 0 mu is pi_old, so every decoupled arm computes plain ``decoupled``'s loss: a
+    corrected arm with no K = 0 cell of its own is paired with that one, and the result (and its
+    table entry) names the reference; an arm with its own K = 0 cell, and the bypass arms, never
+    fall back."""
+    from lab.drift_grid import add_paired_differences, cell_spec, ci_text
+
+    def cell(*runs):
+        return {"runs": [{"seed": s, "final_sampled": f, "greedy": f} for s, f in runs]}
+
+    cells = {
+        cell_spec(0, "decoupled"): cell((0, 0.5), (1, 0.6)),
+        cell_spec(0, "tis"): cell((0, 0.9), (1, 0.9)),
+        cell_spec(4, "tis"): cell((0, 0.8), (1, 0.7)),  # its own K = 0 cell
+        cell_spec(4, "tseq_is"): cell((0, 0.7), (1, 0.5)),  # none: plain decoupled's
+        cell_spec(4, "decoupled"): cell((0, 0.6), (1, 0.6)),
+        cell_spec(4, "bypass_noclip"): cell((0, 0.1), (1, 0.1)),  # never paired with another arm
+        cell_spec(4, "tseq_is", ["algo.epochs=2"]): cell((0, 0.1), (1, 0.1)),  # no K = 0 with epochs=2
+    }
+    add_paired_differences(cells)
+    t = cells[cell_spec(4, "tseq_is")]["vs_k0"]
+    assert abs(t["mean"] - (0.2 - 0.1) / 2) < 1e-12 and t["reference"] == "decoupled"
+    assert "(vs decoupled)" in ci_text(t)
+    own = cells[cell_spec(4, "tis")]["vs_k0"]
+    assert abs(own["mean"] - (-0.1 - 0.2) / 2) < 1e-12 and "reference" not in own
+    assert "(vs" not in ci_text(own)
+    assert "vs_k0" not in cells[cell_spec(4, "bypass_noclip")]
+    assert "vs_k0" not in cells[cell_spec(4, "tseq_is", ["algo.epochs=2"])]
+    assert "vs_k0" not in cells[cell_spec(0, "tis")]  # K = 0 itself is never paired
+    assert "reference" not in cells[cell_spec(4, "tseq_is")]["vs_decoupled"]
+
+
 def test_cells_pair_with_bypass_and_decoupled_at_the_same_lag_for_both_rewards():
     """``vs_bypass`` pairs any arm with ``bypass`` at its own K (never across K or across other
     overrides), ``vs_decoupled`` only the corrected arms with plain ``decoupled``; sampled and
