@@ -105,14 +105,30 @@ def mean_ci(xs: list[float]) -> dict:
     }
 
 
+# Corrections whose weight is 1 wherever pi_old / mu = 1: at K = 0 (mu is pi_old) they compute
+# plain decoupled's loss. Not ds_seq_mask (it compares mu with the current pi, which moves
+# after the first minibatch), m2po (a quantile mask) or lag (a weight by version).
+IDENTITY_AT_K0 = ("token_is", "tis", "seq_is", "tseq_is", "geo_seq_is", "mis", "icepop", "vtrace")
+MAX_K0_LOGP_DIFF = 1e-3  # nats: engine and trainer agree (float32 engines: ~1e-5; bf16: 1-10)
+
+
+def engine_matches_trainer(cell: dict) -> bool:
+    """Every run of ``cell`` logged its engine-vs-trainer logprob gap, and none exceeded
+    ``MAX_K0_LOGP_DIFF``: there, a weight pi_old / mu at K = 0 is 1 up to float error."""
+    gaps = [r.get("diagnostics", {}).get("mismatch/max_abs_logp_diff", math.nan) for r in cell["runs"]]
+    return bool(gaps) and all(math.isfinite(g) and g <= MAX_K0_LOGP_DIFF for g in gaps)
+
+
 def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
     """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
     paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
     written, i for the i-th ``--with-store``; never across builds), with a 95 % t interval
     (``mean_ci``). ``reference``: ``k0`` pairs a lagged
     cell with the same arm (and the same other overrides) at K = 0; a corrected decoupled arm
-    without a K = 0 cell of its own pairs with plain ``decoupled`` at K = 0 instead (the same
-    loss there: mu is pi_old, every weight 1; the result's ``reference`` names it); an arm's
+    without a K = 0 cell of its own pairs with plain ``decoupled`` at K = 0 instead, where that
+    is the same loss: a correction in ``IDENTITY_AT_K0`` (weight 1 where mu is pi_old) and an
+    engine that agreed with the trainer in every reference run (``engine_matches_trainer``:
+    not a bf16 engine); the result's ``reference`` names it. An arm's
     name (``bypass``, ``decoupled``, ...) pairs a cell with that arm at the same K (and the same
     other overrides). Cells without a reference are left out."""
     ref_key, ref_spec, fallback = {}, {}, {}
@@ -123,7 +139,7 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
             is_ref = lag_of(spec) == 0
             if (
                 parts.get("algo.loss.anchor") == "decoupled"
-                and parts.get("algo/correction", "none") != "none"
+                and parts.get("algo/correction") in IDENTITY_AT_K0
             ):
                 fallback[spec] = tuple(sorted({**parts, "algo/correction": "none"}.items()))
         elif reference in ARMS:
@@ -140,6 +156,8 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
         base = ref_spec.get(ref_key[spec])
         if base is None and spec in fallback and lag_of(spec) != 0:
             base = ref_spec.get(fallback[spec])
+            if base is not None and not engine_matches_trainer(cells[base]):
+                base = None
         if base is None or base == spec:
             continue
         ref = {(r["seed"], r.get("build", 0)): r.get(key, math.nan) for r in cells[base]["runs"]}
@@ -311,7 +329,9 @@ DIAGNOSTICS = (
     "ratio/mu_out_frac",  # the share of tokens outside 1 -+ 0.2 against each anchor
     "ratio/pi_old_out_frac",
 )
-PEAKS = ("is/weight_max", "ratio/mu_max", "ratio/pi_old_max")  # the largest value in the run
+# the largest value in the run; the logprob gap between engine and trainer (at K = 0, mu vs
+# pi_old) tells whether a K = 0 cell stands for every decoupled arm (``engine_matches_trainer``)
+PEAKS = ("is/weight_max", "ratio/mu_max", "ratio/pi_old_max", "mismatch/max_abs_logp_diff")
 
 
 def diagnostics(rows: list[dict[str, str]], lag: int = 0) -> dict[str, float]:
@@ -631,9 +651,10 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         f"warm start ({start:.3f})",
         diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
         "behaviour KL / clip fraction",
-        paired_text: "Final held-out sampled reward minus K = 0's, same arm, paired by seed within a build: mean "
-        "[95 % t CI]; italics: inside the noise (the interval holds 0)",
-        greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm, paired by seed within a build)",
+        paired_text: "Final held-out sampled reward minus K = 0's, same arm (or plain `decoupled`'s where marked), "
+        "paired by seed within a build: mean [95 % t CI]; italics: inside the noise (the interval holds 0)",
+        greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm or where marked plain "
+        "`decoupled`'s, paired by seed within a build)",
         bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed within a build: sampled / greedy, "
         "mean [95 % t CI]; italics: inside the noise",
         decoupled_text: "The correction alone: final held-out reward minus plain `decoupled`'s at the same K, "

@@ -44,13 +44,15 @@ class Task:
         raise AssertionError("episodes are scored by their environment")
 
 
-def turn_tokens(engine, turn: int) -> int:
-    """Tokens generated so far by the engine request of model turn ``turn`` (0-based; ids
-    ``<rid>-t<turn>[-r<k>]``, see ``EpisodeRunner``), 0 before it is scheduled. vLLM's output processor collects every step's tokens, also for requests that
-    return only their final output; the test reads that to order a sync inside a turn."""
+def turn_tokens(engine, episode: str, turn: int) -> int:
+    """Tokens generated so far by the engine request of model turn ``turn`` (0-based) of the
+    episode with request id ``episode`` (ids ``<episode>-t<turn>[-r<k>]``, see ``EpisodeRunner``),
+    0 before it is scheduled. vLLM's output processor collects every step's tokens, also for
+    requests that return only their final output; the test reads that to order a sync inside a
+    turn."""
     proc = engine._llm.output_processor
     for rid, internal in list(proc.external_req_ids.items()):
-        if re.search(rf"-t{turn}(-r\d+)?$", rid):
+        if re.fullmatch(rf"{re.escape(episode)}-t{turn}(-r\d+)?", rid):
             for state in [proc.request_states.get(i) for i in list(internal)]:
                 if state is not None:
                     return state.detokenizer.num_output_tokens()
@@ -199,7 +201,7 @@ def test_partial_rollout_aborts_a_turn_at_a_sync_and_resumes_it_on_the_new_weigh
             # the sync lands once turn 2 has a few tokens from v0: ordered by the engine's own
             # progress, not by a sleep (a timed sleep raced the episode on a busy machine)
             deadline = time.monotonic() + 120
-            while turn_tokens(engine, 1) < 4 and not fut.done():
+            while turn_tokens(engine, "g0-s0", 1) < 4 and not fut.done():  # group 0, sample 0
                 assert time.monotonic() < deadline, "turn 2 never started"
                 time.sleep(0.001)
             engine.update_weights(named_weights(new), v0 + 1, inflight="abort")

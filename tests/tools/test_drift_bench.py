@@ -167,8 +167,18 @@ def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and
     fall back."""
     from lab.drift_grid import add_paired_differences, cell_spec, ci_text
 
-    def cell(*runs):
-        return {"runs": [{"seed": s, "final_sampled": f, "greedy": f} for s, f in runs]}
+    def cell(*runs, gap=1e-5):
+        return {
+            "runs": [
+                {
+                    "seed": s,
+                    "final_sampled": f,
+                    "greedy": f,
+                    "diagnostics": {"mismatch/max_abs_logp_diff": gap},
+                }
+                for s, f in runs
+            ]
+        }
 
     cells = {
         cell_spec(0, "decoupled"): cell((0, 0.5), (1, 0.6)),
@@ -190,6 +200,13 @@ def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and
     assert "vs_k0" not in cells[cell_spec(4, "tseq_is", ["algo.epochs=2"])]
     assert "vs_k0" not in cells[cell_spec(0, "tis")]  # K = 0 itself is never paired
     assert "reference" not in cells[cell_spec(4, "tseq_is")]["vs_decoupled"]
+
+    # not where the K = 0 loss differs: a correction that is not 1 at pi_old = mu, an engine
+    # that disagreed with the trainer (bf16), or a reference run that did not log the gap
+    for gap, arm in ((1e-5, "ds_seq_mask"), (3.0, "tis"), (math.nan, "tis")):
+        cells = {cell_spec(0, "decoupled"): cell((0, 0.5), gap=gap), cell_spec(4, arm): cell((0, 0.7))}
+        add_paired_differences(cells)
+        assert "vs_k0" not in cells[cell_spec(4, arm)], (gap, arm)
 
 
 def test_cells_pair_with_bypass_and_decoupled_at_the_same_lag_for_both_rewards():
