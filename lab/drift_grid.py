@@ -112,25 +112,25 @@ IDENTITY_AT_K0 = ("token_is", "tis", "seq_is", "tseq_is", "geo_seq_is", "mis", "
 MAX_K0_LOGP_DIFF = 1e-3  # nats: engine and trainer agree (float32 engines: ~1e-5; bf16: 1-10)
 
 
-def engine_matches_trainer(cell: dict) -> bool:
-    """Every run of ``cell`` logged its engine-vs-trainer logprob gap, and none exceeded
+def engine_matches_trainer(run: dict) -> bool:
+    """The run logged its engine-vs-trainer logprob gap and it stayed within
     ``MAX_K0_LOGP_DIFF``: there, a weight pi_old / mu at K = 0 is 1 up to float error."""
-    gaps = [r.get("diagnostics", {}).get("mismatch/max_abs_logp_diff", math.nan) for r in cell["runs"]]
-    return bool(gaps) and all(math.isfinite(g) and g <= MAX_K0_LOGP_DIFF for g in gaps)
+    gap = run.get("diagnostics", {}).get("mismatch/max_abs_logp_diff", math.nan)
+    return math.isfinite(gap) and gap <= MAX_K0_LOGP_DIFF
 
 
 def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
     """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
     paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
     written, i for the i-th ``--with-store``; never across builds), with a 95 % t interval
-    (``mean_ci``). ``reference``: ``k0`` pairs a lagged
-    cell with the same arm (and the same other overrides) at K = 0; a corrected decoupled arm
-    without a K = 0 cell of its own pairs with plain ``decoupled`` at K = 0 instead, where that
-    is the same loss: a correction in ``IDENTITY_AT_K0`` (weight 1 where mu is pi_old) and an
-    engine that agreed with the trainer in every reference run (``engine_matches_trainer``:
-    not a bf16 engine); the result's ``reference`` names it. An arm's
-    name (``bypass``, ``decoupled``, ...) pairs a cell with that arm at the same K (and the same
-    other overrides). Cells without a reference are left out."""
+    (``mean_ci``). ``reference``: ``k0`` pairs a lagged cell with the same arm (and the same
+    other overrides) at K = 0. A run of a corrected decoupled arm whose build has no K = 0 run
+    of that arm pairs with plain ``decoupled``'s K = 0 run instead, where that is the same loss:
+    a correction in ``IDENTITY_AT_K0`` (weight 1 where mu is pi_old) and an engine that agreed
+    with the trainer in that run (``engine_matches_trainer``: not a bf16 engine); the result's
+    ``reference`` names it and ``reference_n`` counts those pairs. An arm's name (``bypass``,
+    ``decoupled``, ...) pairs a cell with that arm at the same K (and the same other
+    overrides). Cells without a reference are left out."""
     ref_key, ref_spec, fallback = {}, {}, {}
     for spec in cells:
         parts = spec_overrides(spec)
@@ -153,23 +153,28 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
             ref_spec[ref_key[spec]] = spec
     out = {}
     for spec, cell in cells.items():
-        base = ref_spec.get(ref_key[spec])
-        if base is None and spec in fallback and lag_of(spec) != 0:
-            base = ref_spec.get(fallback[spec])
-            if base is not None and not engine_matches_trainer(cells[base]):
-                base = None
-        if base is None or base == spec:
+        own = ref_spec.get(ref_key[spec])
+        if own == spec:
             continue
-        ref = {(r["seed"], r.get("build", 0)): r.get(key, math.nan) for r in cells[base]["runs"]}
-        diffs = []
+        refs = {(r["seed"], r.get("build", 0)): r for r in cells[own]["runs"]} if own else {}
+        alt = ref_spec.get(fallback[spec]) if spec in fallback else None
+        alts = (
+            {(r["seed"], r.get("build", 0)): r for r in cells[alt]["runs"] if engine_matches_trainer(r)}
+            if alt
+            else {}
+        )
+        diffs, via_alt = [], 0
         for r in cell["runs"]:
-            partner = ref.get((r["seed"], r.get("build", 0)), math.nan)
-            if math.isfinite(r.get(key, math.nan)) and math.isfinite(partner):
-                diffs.append(r[key] - partner)
+            at = (r["seed"], r.get("build", 0))
+            partner = refs.get(at) or alts.get(at)
+            x, y = r.get(key, math.nan), (partner or {}).get(key, math.nan)
+            if math.isfinite(x) and math.isfinite(y):
+                diffs.append(x - y)
+                via_alt += at not in refs
         if diffs:
             out[spec] = mean_ci(diffs)
-            if reference == "k0" and arm_of(base) != arm_of(spec):
-                out[spec]["reference"] = arm_of(base)
+            if via_alt:
+                out[spec].update(reference="decoupled", reference_n=via_alt)
     return out
 
 
@@ -608,7 +613,10 @@ def ci_text(p: dict | None) -> str:
         return ""
     text = f"{p['mean']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]"
     text = f"*{text}*" if p["inside_noise"] else f"**{text}**"
-    return f"{text} (vs {p['reference']})" if p.get("reference") else text
+    if not p.get("reference"):
+        return text
+    some = "" if p.get("reference_n", p["n"]) == p["n"] else f" for {p['reference_n']} of {p['n']}"
+    return f"{text} (vs {p['reference']}{some})"
 
 
 def paired_text(cell: dict) -> str:

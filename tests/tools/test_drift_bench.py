@@ -201,6 +201,23 @@ def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and
     assert "vs_k0" not in cells[cell_spec(0, "tis")]  # K = 0 itself is never paired
     assert "reference" not in cells[cell_spec(4, "tseq_is")]["vs_decoupled"]
 
+    # per build: a build without the arm's own K = 0 run falls back, one with it does not
+    def built(build, *runs):
+        c = cell(*runs)
+        for r in c["runs"]:
+            r["build"] = build
+        return c
+
+    mixed = {
+        cell_spec(0, "decoupled"): {"runs": built(0, (0, 0.5))["runs"] + built(1, (0, 0.4))["runs"]},
+        cell_spec(0, "tis"): built(0, (0, 0.6)),
+        cell_spec(4, "tis"): {"runs": built(0, (0, 0.7))["runs"] + built(1, (0, 0.7))["runs"]},
+    }
+    add_paired_differences(mixed)
+    m = mixed[cell_spec(4, "tis")]["vs_k0"]
+    assert m["n"] == 2 and abs(m["mean"] - (0.1 + 0.3) / 2) < 1e-12 and m["reference_n"] == 1
+    assert ci_text(m).endswith("(vs decoupled for 1 of 2)")
+
     # not where the K = 0 loss differs: a correction that is not 1 at pi_old = mu, an engine
     # that disagreed with the trainer (bf16), or a reference run that did not log the gap
     for gap, arm in ((1e-5, "ds_seq_mask"), (3.0, "tis"), (math.nan, "tis")):
