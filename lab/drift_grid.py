@@ -119,6 +119,11 @@ def engine_matches_trainer(run: dict) -> bool:
     return math.isfinite(gap) and gap <= MAX_K0_LOGP_DIFF
 
 
+def run_key(run: dict) -> tuple[int, int]:
+    """What pairs two runs: the seed, within one build of the warm start."""
+    return run["seed"], run.get("build", 0)
+
+
 def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
     """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
     paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
@@ -156,16 +161,12 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
         own = ref_spec.get(ref_key[spec])
         if own == spec:
             continue
-        refs = {(r["seed"], r.get("build", 0)): r for r in cells[own]["runs"]} if own else {}
+        refs = {run_key(r): r for r in cells[own]["runs"]} if own else {}
         alt = ref_spec.get(fallback[spec]) if spec in fallback else None
-        alts = (
-            {(r["seed"], r.get("build", 0)): r for r in cells[alt]["runs"] if engine_matches_trainer(r)}
-            if alt
-            else {}
-        )
+        alts = {run_key(r): r for r in cells[alt]["runs"] if engine_matches_trainer(r)} if alt else {}
         diffs, via_alt = [], 0
         for r in cell["runs"]:
-            at = (r["seed"], r.get("build", 0))
+            at = run_key(r)
             partner = refs.get(at) or alts.get(at)
             x, y = r.get(key, math.nan), (partner or {}).get(key, math.nan)
             if math.isfinite(x) and math.isfinite(y):
@@ -368,7 +369,7 @@ def start_reward(out: Path | None, stored: dict | None = None) -> float:
         for p in ((out / "initial_eval").glob("*.json") if out is not None else ())  # None: the store's only
     ]
     distinct = {round(x, 6) for x in starts if x is not None and math.isfinite(x)}
-    hashes = {rec.get("warm_start") for rec in (stored or {}).values()} - {None}
+    hashes = warm_start_hashes(stored or {})
     if len(distinct) > 1 or len(hashes) > 1:
         raise SystemExit(
             f"runs from different warm starts (held-out sampled {sorted(distinct)}, weights "
@@ -499,7 +500,7 @@ def other_build(rec: dict, stored: dict) -> str | None:
     """Why ``rec`` began from another build of the warm start than the ``stored`` runs (its
     weight hash or its held-out start differs from theirs), or None."""
     starts = {round(r["start_sampled"], 6) for r in stored.values() if _finite(r.get("start_sampled"))}
-    hashes = {r.get("warm_start") for r in stored.values()} - {None}
+    hashes = warm_start_hashes(stored)
     if rec.get("warm_start") and hashes and rec["warm_start"] not in hashes:
         return (
             f"its warm start's weights {rec['warm_start'][:12]} are not the store's {sorted(hashes)[0][:12]}"
@@ -509,6 +510,11 @@ def other_build(rec: dict, stored: dict) -> str | None:
             f"its warm start evaluates at {rec['start_sampled']:.6f}, the store's at {sorted(starts)[0]:.6f}"
         )
     return None
+
+
+def warm_start_hashes(stored: dict) -> set[str]:
+    """The warm-start weight hashes the ``stored`` runs recorded (older runs recorded none)."""
+    return {rec.get("warm_start") for rec in stored.values()} - {None}
 
 
 def _finite(x: object) -> bool:

@@ -68,6 +68,12 @@ def mismatch_warning(cfg: DictConfig) -> str | None:
     )
 
 
+def weight_sync_lag(cfg: DictConfig) -> object:
+    """``callbacks.weight_sync.lag`` (0 when unset, also without a weight-sync group); not
+    checked here."""
+    return ((cfg.get("callbacks") or {}).get("weight_sync") or {}).get("lag") or 0
+
+
 def lag_anchor_warning(cfg: DictConfig) -> str | None:
     """Why this run's loss is the one the multi-minibatch lag grid found weakest, or None: with
     several optimizer steps per rollout batch and trained samples that lag (a rollout without
@@ -80,7 +86,7 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     (``needs_bypass_anchor``: recompute)."""
     algo, rollout, data = cfg.algo, cfg.rollout, cfg.get("data") or {}
     minibatches, epochs = algo.get("minibatches", 1), algo.get("epochs", 1)
-    lag = ((cfg.get("callbacks") or {}).get("weight_sync") or {}).get("lag") or 0
+    lag = weight_sync_lag(cfg)
     bound = rollout.get("max_staleness")
     if not (
         _is_count(minibatches) and _is_count(epochs) and isinstance(lag, int) and not isinstance(lag, bool)
@@ -242,7 +248,7 @@ def _check_not_degenerate(cfg: DictConfig) -> None:
     lr = cfg.module.get("optimizer", {}).get("lr")
     if lr is not None:
         check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
-    lag = ((cfg.get("callbacks") or {}).get("weight_sync") or {}).get("lag") or 0
+    lag = weight_sync_lag(cfg)
     check(
         "callbacks.weight_sync.lag",
         lag,
