@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,42 @@ def test_the_default_alarms_on_the_drift_and_not_before(lag):
     first = first_alarm(DriftDetector(), run)
     assert first is not None and 30 < first <= 40
     assert first_alarm(DriftDetector(), run_of(rows(60, lag, seed=3), lag, None)) is None
+
+
+def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_path):
+    """Lag-0 runs and the extra stores are reported, never fitted on; a store where no grid
+    point meets the goal still gets a report (flagged), not an exit."""
+    import lab.detector_eval as de
+
+    def made(store: Path, drop: float = 0.15) -> list[Run]:
+        if store.name == "grid.jsonl":
+            runs = []
+            for seed in (1, 2):
+                for lag in (0, 4):
+                    drift = 25 if lag else None
+                    r = run_of(
+                        rows(60, lag, seed=10 * seed + lag, drift_at=drift), lag, 45 if drift else None
+                    )
+                    runs.append(replace(r, seed=seed, name=f"K={lag} s{seed}", store="grid"))
+            return runs
+        return [replace(run_of(rows(60, 0, seed=99), 0, None), store="extra", name="bf16")]
+
+    monkeypatch.setattr(de, "load_runs", made)
+    result = de.evaluate([1], store=tmp_path / "grid.jsonl", extra=(tmp_path / "extra.jsonl",), top=1)
+    c = result["candidates"]["default"]
+    assert (
+        c["fit"]["collapsed"],
+        c["held_out"]["collapsed"],
+        c["lag0"]["healthy"],
+        c["extra"]["healthy"],
+    ) == (
+        1,
+        1,
+        2,
+        1,
+    )
+    assert result["held_out_seeds"] == [2] and result["store"] == "grid.jsonl"
+    # one collapse and no healthy lagged run per seed: some grid point meets the goal or none does;
+    # either way the selective candidate is reported and says which
+    assert isinstance(result["candidates"]["selective"]["met_goal_on_fit"], bool)
+    assert "lag-0 runs" in de.markdown(result)
