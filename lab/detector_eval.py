@@ -190,6 +190,14 @@ def first_alarm(detector, run: Run) -> int | None:
     return None
 
 
+def at_earliest(run: Run) -> bool:
+    """A slide dated at the first step ``below_start_step`` can give (the first trained step
+    after its 10-step reference window): the run was already below its start there, so the
+    onset is not in the record and no alarm could lead it by more than the window."""
+    steps = [s for s, _, _ in run.steps]
+    return run.rule == "below_start" and len(steps) > 10 and run.collapse_step <= steps[10]
+
+
 def score(runs: list[Run], alarms: list[int | None]) -> dict:
     """False alarms / healthy runs, missed and alarmed dated collapses, their lead times."""
     healthy = [a for r, a in zip(runs, alarms) if not r.collapsed]
@@ -208,6 +216,8 @@ def score(runs: list[Run], alarms: list[int | None]) -> dict:
         # collapses dated by the reward EMA's drop (a sharp fall), not by a slide below the start
         "median_lead_sharp": statistics.median(sharp) if sharp else None,
         "sharp": f"{len(sharp)}/{sum(r.rule == 'drop' for r, _ in dated)} alarmed",
+        # dates at the earliest step the slide rule can give: an onset outside the record
+        "dated_at_earliest": sum(at_earliest(r) for r, _ in dated),
     }
 
 
@@ -469,6 +479,14 @@ def markdown(result: dict) -> str:
         "|---" * 11 + "|",
     ]
     lines += [f"| {describe(t['config'])} | {cell(t['fit'])} | {cell(t['held_out'])} |" for t in g["top"]]
+    d = result["candidates"]["default"]
+    lines += [
+        "",
+        "Collapses dated at the earliest step the slide rule can give (onset outside the record):"
+        f" fit {d['fit']['dated_at_earliest']} of {d['fit']['collapsed']}, held out"
+        f" {d['held_out']['dated_at_earliest']} of {d['held_out']['collapsed']}; undated: fit"
+        f" {d['fit']['undated']}, held out {d['held_out']['undated']}",
+    ]
     blind = result["ess_blind_collapses"]
     lines += ["", f"Collapses in bypass runs (ESS fraction always 1, invisible to ESS rules): {blind}"]
     return "\n".join(lines)

@@ -168,3 +168,12 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
     # either way the selective candidate is reported and says which
     assert isinstance(result["candidates"]["selective"]["met_goal_on_fit"], bool)
     assert "lag-0 runs" in de.markdown(result)
+
+
+def test_a_slide_dated_at_the_first_step_after_the_reference_window_is_counted_as_such():
+    r = rows(30, 0, seed=5)
+    early = run_of(r, 0, 10, rule="below_start")
+    later = run_of(r, 0, 11, rule="below_start")
+    sharp = run_of(r, 0, 10, rule="drop")  # a sharp drop dated there is an onset in the record
+    s = score([early, later, sharp], [None, None, None])
+    assert s["dated_at_earliest"] == 1 and s["missed"] == 3
