@@ -61,6 +61,13 @@ the edge of what ~25 runs a seed can tell. verl's ESS thresholds alarm on health
 fraction is low throughout (sequence-level truncated IS at K = 8: ~0.2) and, like any ESS rule,
 see nothing in bypass runs. The absolute limits were set above what every healthy stored run
 reached, both seeds (smoothed: KL 1.74, clip fraction 0.06, ESS fraction down to 0.13).
+On a collapse set with four optimizer steps per batch (lr 2e-3, K in {1, 4, 8}, five arms, 3
+seeds; ``python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_b2.jsonl``), never
+fitted on, these defaults alarmed in 8 of 19 surviving lagged runs and missed 7 of 17 dated
+collapses, and no grid point refitted there meets the goal either: in that regime the runs'
+outcome is decided at the warm start's level and 9 of 26 collapses come after the training
+reward last moved, so the goal is not met and the lead is not measurable from end-point
+evaluations.
 """
 
 from __future__ import annotations
