@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lab import run_store
-from lab.drift_grid import arm_of, lag_of, outcome, start_reward
+from lab.drift_grid import SLIDE_WARMUP, arm_of, lag_of, outcome, start_reward
 from modules.callbacks.drift_score import DriftDetector, Signal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,10 +192,15 @@ def first_alarm(detector, run: Run) -> int | None:
 
 def at_earliest(run: Run) -> bool:
     """A slide dated at the first step ``below_start_step`` can give (the first trained step
-    after its 10-step reference window): the run was already below its start there, so the
-    onset is not in the record and no alarm could lead it by more than the window."""
+    after its reference window). Such a date says the training reward's EMA was below the
+    window's mean reward when the window closed, not that the run had begun to fall: the EMA
+    (alpha 0.1, seeded with the first batch's reward) can still be catching up then, and with
+    several optimizer steps per batch it moves once per batch. No alarm can lead such a date
+    by more than the window."""
     steps = [s for s, _, _ in run.steps]
-    return run.rule == "below_start" and len(steps) > 10 and run.collapse_step <= steps[10]
+    return (
+        run.rule == "below_start" and len(steps) > SLIDE_WARMUP and run.collapse_step <= steps[SLIDE_WARMUP]
+    )
 
 
 def score(runs: list[Run], alarms: list[int | None]) -> dict:
@@ -479,10 +484,15 @@ def markdown(result: dict) -> str:
         "|---" * 11 + "|",
     ]
     lines += [f"| {describe(t['config'])} | {cell(t['fit'])} | {cell(t['held_out'])} |" for t in g["top"]]
+    if not g["top"]:
+        lines.append(
+            "| none meets the goal on the fit seeds (the selective row above: the fallback) |" + " |" * 10
+        )
     d = result["candidates"]["default"]
     lines += [
         "",
-        "Collapses dated at the earliest step the slide rule can give (onset outside the record):"
+        "Collapses dated at the earliest step the slide rule can give (the reward EMA below its reference"
+        " when the window closed; no alarm can lead such a date):"
         f" fit {d['fit']['dated_at_earliest']} of {d['fit']['collapsed']}, held out"
         f" {d['held_out']['dated_at_earliest']} of {d['held_out']['collapsed']}; undated: fit"
         f" {d['fit']['undated']}, held out {d['held_out']['undated']}",

@@ -204,7 +204,10 @@ def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
     return None
 
 
-def below_start_step(rows: list[dict[str, str]], warmup: int = 10) -> int | None:
+SLIDE_WARMUP = 10  # trained steps whose mean training reward is a slide's reference
+
+
+def below_start_step(rows: list[dict[str, str]], warmup: int = SLIDE_WARMUP) -> int | None:
     """First step from which the training-reward EMA stays below the mean training reward of
     the first ``warmup`` trained steps until the end of the run (the training-side twin of
     "held-out reward below the warm start"); dates a slide that never drops ``--drop`` below

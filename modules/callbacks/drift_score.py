@@ -64,10 +64,10 @@ reached, both seeds (smoothed: KL 1.74, clip fraction 0.06, ESS fraction down to
 On a collapse set with four optimizer steps per batch (lr 2e-3, K in {1, 4, 8}, five arms, 3
 seeds; ``python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_b2.jsonl``), never
 fitted on, these defaults alarmed in 8 of 19 surviving lagged runs and missed 7 of 17 dated
-collapses, and no grid point refitted there meets the goal either: in that regime the runs'
-outcome is decided at the warm start's level and 9 of 26 collapses come after the training
-reward last moved, so the goal is not met and the lead is not measurable from end-point
-evaluations.
+collapses (the alarms on the others came a median 14 steps after the date), and no grid point
+refitted there meets the goal either. The goal is not met; in that regime the training-reward
+dates are weak too (an EMA seeded at the first batch, 15 batches a run; 9 of 26 collapses get
+no date), so a held-out curve every few versions is the next measurement.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from lab.detector_eval import (
     score,
     trained_steps,
 )
-from lab.drift_grid import replay
+from lab.drift_grid import SLIDE_WARMUP, below_start_step, replay
 from modules.callbacks.drift_score import DriftDetector
 
 
@@ -163,17 +163,37 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
         2,
         1,
     )
+    assert c["fit"]["healthy"] == 0 and c["held_out"]["healthy"] == 0  # lag-0 runs are never fitted on
     assert result["held_out_seeds"] == [2] and result["store"] == "grid.jsonl"
-    # one collapse and no healthy lagged run per seed: some grid point meets the goal or none does;
-    # either way the selective candidate is reported and says which
-    assert isinstance(result["candidates"]["selective"]["met_goal_on_fit"], bool)
     assert "lag-0 runs" in de.markdown(result)
+
+
+def test_evaluate_reports_a_fallback_when_no_grid_point_meets_the_goal(monkeypatch, tmp_path):
+    """A fit seed whose only collapse has no date: no median lead, so no point is feasible."""
+    import lab.detector_eval as de
+
+    def made(store: Path, drop: float = 0.15) -> list[Run]:
+        r = rows(60, 4, seed=7, drift_at=25)
+        undated = Run("K=4 s1", "grid", 1, 4, trained_steps(r, 4), True, None, None, 0.0)
+        held = replace(run_of(r, 4, 45), seed=2, name="K=4 s2", store="grid")
+        return [undated, held] if store.name == "grid.jsonl" else []
+
+    monkeypatch.setattr(de, "load_runs", made)
+    result = de.evaluate([1], store=tmp_path / "grid.jsonl", extra=(), top=3)
+    assert result["candidates"]["selective"]["met_goal_on_fit"] is False
+    assert result["grid"]["meet_goal_on_fit"] == 0 and result["grid"]["top"] == []
+    text = de.markdown(result)
+    assert "no selective setting met the goal" in text and "none meets the goal on the fit seeds" in text
 
 
 def test_a_slide_dated_at_the_first_step_after_the_reference_window_is_counted_as_such():
     r = rows(30, 0, seed=5)
-    early = run_of(r, 0, 10, rule="below_start")
-    later = run_of(r, 0, 11, rule="below_start")
+    # the slide rule's earliest possible date on these rows: a reward that falls at once
+    falling = [dict(x, **{"train/reward_mean": "0.5", "train/reward_ema": "0.1"}) for x in r]
+    first = below_start_step(falling)
+    assert first == SLIDE_WARMUP
+    early = run_of(r, 0, first, rule="below_start")
+    later = run_of(r, 0, first + 1, rule="below_start")
     sharp = run_of(r, 0, 10, rule="drop")  # a sharp drop dated there is an onset in the record
     s = score([early, later, sharp], [None, None, None])
     assert s["dated_at_earliest"] == 1 and s["missed"] == 3
