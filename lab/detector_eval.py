@@ -3,6 +3,8 @@
     python -m lab.detector_eval --markdown                  # fit seed 1, report seed 2 (the default)
     python -m lab.detector_eval                             # the same as JSON, with every run's alarm
     python -m lab.detector_eval --fit-seeds 2 --markdown    # the other fold
+    python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_b2.jsonl --extra ... --markdown
+                                                            # any other grid store (its lag-0 runs never fitted)
 
 Runs: ``lab/results/drift_grid_3e-3.jsonl`` (sync_grpo with a delayed sync of lag K in {1, 2, 4,
 8} x 7 arms x seeds 1-2, lr 3e-3, 60 steps; the store holds no seed 0) and, never fitted on,
@@ -221,7 +223,7 @@ def score(runs: list[Run], alarms: list[int | None]) -> dict:
         # collapses dated by the reward EMA's drop (a sharp fall), not by a slide below the start
         "median_lead_sharp": statistics.median(sharp) if sharp else None,
         "sharp": f"{len(sharp)}/{sum(r.rule == 'drop' for r, _ in dated)} alarmed",
-        # dates at the earliest step the slide rule can give: an onset outside the record
+        # dates at the earliest step the slide rule can give (``at_earliest``): no alarm can lead them
         "dated_at_earliest": sum(at_earliest(r) for r, _ in dated),
     }
 
