@@ -341,6 +341,12 @@ def ranked(entries: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
     return sorted((e for e in entries if feasible(e[1])), key=key)
 
 
+def fallback(entries: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
+    """(config, fit score) pairs when none meets the goal: the fewest false alarms, then the most
+    timely alarms."""
+    return sorted(entries, key=lambda e: (e[1]["false_alarms"], -e[1]["timely"]))
+
+
 def ess_blind(run: Run) -> bool:
     """A run whose ESS fraction never leaves 1 (bypass: no IS weight): ESS rules see nothing."""
     return all(m.get("is/ess_frac", 1.0) == 1.0 for _, m, _ in run.steps)
@@ -359,15 +365,16 @@ def evaluate(
 ) -> dict:
     """Candidates fitted on ``store``'s lagged runs of ``fit_seeds``, reported on its other seeds'
     lagged runs, on its lag-0 runs and on the ``extra`` stores (both never fitted on)."""
-    grid = load_runs(store, drop)
-    runs = [r for r in grid if r.lag > 0]
-    every = runs + [r for r in grid if r.lag == 0] + [r for s in extra for r in load_runs(s, drop)]
+    stored = load_runs(store, drop)
+    runs = [r for r in stored if r.lag > 0]
+    lag0 = [r for r in stored if r.lag == 0]
+    every = runs + lag0 + [r for s in extra for r in load_runs(s, drop)]
     fit = [r for r in runs if r.seed in fit_seeds]
     groups = {
         "fit": fit,
         "held_out": [r for r in runs if r.seed not in fit_seeds],
-        "lag0": [r for r in grid if r.lag == 0],
-        "extra": every[len(grid) :],
+        "lag0": lag0,
+        "extra": every[len(stored) :],
     }
 
     def report(config: dict, alarms: list[int | None]) -> dict:
@@ -389,14 +396,13 @@ def evaluate(
         )
     vcpo = [dict(zip(VCPO_GRID, k)) for k in itertools.product(*VCPO_GRID.values())]
     vcpo_fit = [(c, score(fit, replayed(lambda c=c: VcpoRule(**c), fit))) for c in vcpo]
-    vcpo_best = ranked(vcpo_fit) or sorted(vcpo_fit, key=lambda e: (e[1]["false_alarms"], -e[1]["timely"]))
+    vcpo_best = ranked(vcpo_fit) or fallback(vcpo_fit)
     cands["vcpo"] = report(vcpo_best[0][0], replayed(lambda: VcpoRule(**vcpo_best[0][0]), every))
     cands["vcpo"]["met_goal_on_fit"] = feasible(vcpo_best[0][1])
     traces = Traces(fit)
     grid = [(c, score(fit, traces.alarms(c))) for c in grid_configs()]
     order = ranked(grid)
-    # no point meets the goal on the fit seeds: the fewest false alarms, then the most timely
-    best = (order or sorted(grid, key=lambda e: (e[1]["false_alarms"], -e[1]["timely"])))[0][0]
+    best = (order or fallback(grid))[0][0]
     alarms = replayed(lambda: detector_of(best), every)
     by_run = dict(zip(map(id, every), alarms))
     if [by_run[id(r)] for r in fit] != traces.alarms(best):
