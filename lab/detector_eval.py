@@ -127,7 +127,7 @@ def load_runs(store: Path, drop: float = 0.15) -> list[Run]:
         stored.items(), key=lambda kv: (lag_of(kv[0][0]), arm_of(kv[0][0]), kv[0][1])
     ):
         lag = lag_of(spec)
-        o = outcome(rec["rows"], rec["last"], start, drop, {}, lag)
+        o = outcome(rec["rows"], rec["last"], rec.get("curve"), start, drop, {}, lag)
         run = Run(
             name=f"K={lag} {arm_of(spec)} s{seed}",
             store=store.stem,

@@ -19,12 +19,14 @@ them (other thresholds can be tried without training again).
 
 Definitions (per run):
 * collapse: the held-out sampled reward of the final policy is below the warm start's, or the
-  run stopped on non-finite losses; the collapse *step* is the first step at which the training
-  reward's EMA (``train/reward_ema``) falls ``--drop`` below its running maximum (the held-out
-  curve is too coarse to date it), or, for a slow slide that never drops that far, the first
-  step from which the EMA stays below the mean training reward of the first 10 steps
-  (``collapse_rule`` says which dated it: ``drop``, then ``stopped`` for a run that ended on
-  non-finite losses, then ``below_start``);
+  run stopped on non-finite losses; the collapse *step* is, where the held-out curve was
+  evaluated between the run's ends (``--eval-every`` a few versions), the first evaluated step
+  from which that reward stays below the warm start's (``heldout``); otherwise the first step at
+  which the training reward's EMA (``train/reward_ema``) falls ``--drop`` below its running
+  maximum, or, for a slow slide that never drops that far, the first step from which the EMA
+  stays below the mean training reward of the first 10 steps (``collapse_rule`` says which
+  dated it: ``heldout``, then ``drop``, then ``stopped`` for a run that ended on non-finite
+  losses, then ``below_start``);
 * lead time: collapse step minus the first alarm step (positive: the alarm came first);
 * false alarm: an alarm in a run that did not collapse and that no controller acted on (a
   controlled run that did not collapse after acting on an alarm is counted as ``acted``).
@@ -260,12 +262,13 @@ def analyze_run(run_dir: Path, start: float, drop: float, detector: dict, lag: i
     return outcome(*dir_run(run_dir), start, drop, detector, lag)
 
 
-def dir_run(run_dir: Path) -> tuple[list[dict[str, str]], dict | None]:
-    """A run directory's metrics rows and final held-out evaluation (None: there is none)."""
+def dir_run(run_dir: Path) -> tuple[list[dict[str, str]], dict | None, list[dict]]:
+    """A run directory's metrics rows, final held-out evaluation (None: there is none) and
+    held-out curve (``run_store.curve_points``; empty: there is none)."""
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
     summary_path = run_dir / "eval_summary.json"
-    last = json.loads(summary_path.read_text())["last"] if summary_path.exists() else None
-    return rows, last
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return rows, summary.get("last"), run_store.curve_points(summary.get("history") or [])
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -275,37 +278,56 @@ def is_finished(run_dir: Path) -> bool:
 
 def find_run(
     out: Path, spec: str, seed: int, stored: dict | None
-) -> tuple[list[dict[str, str]], dict | None] | None:
-    """A run's (rows, last): from the store first, else from its directory under ``out``.
+) -> tuple[list[dict[str, str]], dict | None, list[dict]] | None:
+    """A run's (rows, last, curve): from the store first, else from its directory under ``out``.
     Without a store, a directory with no held-out curve is a run that stopped early (non-finite
     losses); with one (which holds such runs), it is unfinished (still going, crashed, killed):
     None, as for a run that is nowhere."""
     if stored and (spec, seed) in stored:
-        return stored[(spec, seed)]["rows"], stored[(spec, seed)]["last"]
+        rec = stored[(spec, seed)]
+        return rec["rows"], rec["last"], rec.get("curve") or []
     run_dir = out / run_dir_name(spec) / f"seed{seed}"
     if (run_dir / "metrics.csv").exists() and (is_finished(run_dir) or stored is None):
         return dir_run(run_dir)
     return None
 
 
+def heldout_step(curve: list[dict], start: float) -> int | None:
+    """First evaluated step from which the held-out sampled reward stays below ``start`` until
+    the run's last evaluation; None without a curve evaluated between the start and the end
+    (a grid evaluated at its end points only). The fall happened after the evaluation before
+    this one: the date is late by less than the evaluation interval."""
+    points = [(int(p["step"]), p["eval/sampled_reward_mean"]) for p in curve if p.get("step")]
+    if len(points) < 2:
+        return None
+    since = None
+    for step, x in points:
+        since = (since if since is not None else step) if not x >= start else None
+    return since
+
+
 def outcome(
     rows: list[dict[str, str]],
     last: dict | None,
+    curve: list[dict] | None,
     start: float,
     drop: float,
     detector: dict,
     lag: int = 0,
 ) -> dict:
-    """One run's outcome from its metrics rows and final held-out evaluation. A run with no
-    final evaluation (``last`` None) stopped early (non-finite losses): a collapse dated at its
-    last logged step."""
+    """One run's outcome from its metrics rows, final held-out evaluation and held-out curve. A
+    run with no final evaluation (``last`` None) stopped early (non-finite losses): a collapse
+    dated at its last logged step. A collapse with a held-out curve evaluated between its ends
+    is dated on it (``heldout_step``), independently of the training reward."""
     stopped = last is None
     last = last or {}
     final = last.get("eval/sampled_reward_mean", float("nan"))
     collapsed = not final >= start
     c_step, rule = None, None
     if collapsed:
-        c_step, rule = collapse_step(rows, drop), "drop"
+        c_step, rule = heldout_step(curve or [], start), "heldout"
+        if c_step is None:
+            c_step, rule = collapse_step(rows, drop), "drop"
         if c_step is None and stopped:
             c_step, rule = max((int(r["step"]) for r in rows if r.get("step")), default=0), "stopped"
         if c_step is None:
@@ -423,7 +445,9 @@ def table(
             for seed in seeds:
                 if (spec, seed) in other:
                     rec = other[(spec, seed)]
-                    o = outcome(rec["rows"], rec["last"], other_start, drop, detector, lag_of(spec))
+                    o = outcome(
+                        rec["rows"], rec["last"], rec.get("curve"), other_start, drop, detector, lag_of(spec)
+                    )
                     runs.append({"seed": seed, "build": build, **o})
         if not runs:
             continue

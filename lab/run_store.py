@@ -5,11 +5,12 @@
 A long grid (``lab.drift_grid``: ~4-5 min a run, 90 runs) takes several sessions, and a
 session's ``outputs/`` is not kept: a fresh checkout starts without it. The store is one JSON
 line per finished run: ``spec``, ``seed``, the extra overrides and evaluation interval it ran
-with, the commit it ran on, its warm start's weights' hash and held-out evaluation, its final one, and the metrics rows
-an analysis reads (~70 kB a run, so ~6 MB for a 90-run grid). ``--resume`` skips what the store
-holds; ``--analyze`` reads the store and the finished run directories together. Rows keep the
-logged strings of ``metrics.csv`` (the columns in ``keep``), so an analysis of those columns
-gives the same result on a stored run as on its directory.
+with, the commit it ran on, its warm start's weights' hash and held-out evaluation, its final
+one, every held-out point (``curve``), and the metrics rows an analysis reads (~70 kB a run,
+so ~6 MB for a 90-run grid). ``--resume`` skips what the store holds; ``--analyze`` reads the
+store and the finished run directories together. Rows keep the logged strings of
+``metrics.csv`` (the columns in ``keep``), so an analysis of those columns gives the same
+result on a stored run as on its directory.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def record(run_dir: Path, spec: str, seed: int, setup: dict, error: str | None =
     """One run as a store line. ``setup`` is what the spec does not say (the extra overrides,
     the evaluation interval, the commit). ``start_sampled`` is the run's own first held-out
     point (the warm start), None for a run that stopped before its evaluation; ``last`` is its
-    final one, None for such a run (``error``: the tail of its stderr)."""
+    final one, None for such a run (``error``: the tail of its stderr); ``curve``: every
+    held-out point, trimmed (``curve_points``; absent in records written before it)."""
     summary = run_dir / "eval_summary.json"
     points = json.loads(summary.read_text()) if summary.exists() else {}
     rows = read_metrics(run_dir) if (run_dir / "metrics.csv").exists() else []
@@ -92,9 +94,19 @@ def record(run_dir: Path, spec: str, seed: int, setup: dict, error: str | None =
         "start_sampled": first.get("eval/sampled_reward_mean"),
         "warm_start": warm_start,  # sha256 of the warm start's weights (None in older records)
         "last": points.get("last"),
+        "curve": curve_points(points.get("history") or []),
         "error": error,
         "rows": trim(rows),
     }
+
+
+CURVE_KEYS = ("step", "eval/sampled_reward_mean", "eval/sampled_reward_se", "eval/reward_mean")
+
+
+def curve_points(history: list[dict]) -> list[dict]:
+    """The held-out curve a collapse can be dated on: each evaluated point's step, sampled
+    reward (and its standard error) and greedy reward (a few hundred bytes a run)."""
+    return [{k: p[k] for k in CURVE_KEYS if k in p} for p in history]
 
 
 def load(store: Path) -> dict[tuple[str, int], dict]:

@@ -91,6 +91,49 @@ def test_analyze_run_names_the_rule_that_dated_the_collapse(tmp_path):
     assert out["acted"] and out["false_alarm"] is None  # whatever the replay says
 
 
+def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_training_reward(tmp_path):
+    """The training reward stays flat (no EMA rule could date anything); the held-out curve
+    dips below the start at 8, recovers at 12, and stays below from 16: dated 16. A curve with
+    its end points only leaves the old rules in charge. The store keeps the curve, and a stored
+    run is dated as its directory is."""
+    from lab import run_store
+    from lab.drift_grid import find_run, heldout_step
+
+    start = 0.39
+    curve = [(0, 0.39), (4, 0.40), (8, 0.38), (12, 0.41), (16, 0.30), (20, 0.10), (24, 0.05)]
+    history = [
+        {"step": s, "eval/sampled_reward_mean": x, "eval/reward_mean": 0.9, "samples": 1.0} for s, x in curve
+    ]
+    assert heldout_step(history, start) == 16
+    assert heldout_step(history[:1] + history[-1:], start) is None  # the ends only: no date from it
+    assert heldout_step(history[:1] + history[-2:], start) == 20
+    assert (
+        heldout_step(history[:-2] + [dict(history[-1], **{"eval/sampled_reward_mean": 0.5})], start) is None
+    )
+
+    rows = rows_of([0.5] * 25)
+    run = write_run(tmp_path / "dense" / "seed0", rows, None)
+    summary = {"first": history[0], "last": history[-1], "history": history}
+    (run / "eval_summary.json").write_text(json.dumps(summary))
+    out = analyze_run(run, start, 0.15, {})
+    assert out["collapsed"] and (out["collapse_rule"], out["collapse_step"]) == ("heldout", 16)
+
+    ends = write_run(tmp_path / "ends" / "seed0", rows_of([0.5] * 20 + [0.0] * 5), None)
+    (ends / "eval_summary.json").write_text(json.dumps({**summary, "history": [history[0], history[-1]]}))
+    assert analyze_run(ends, start, 0.15, {})["collapse_rule"] == "drop"
+
+    rec = run_store.record(run, "sync_grpo:a=1", 0, {"overrides": [], "eval_every": 1, "commit": "x"})
+    assert [p["step"] for p in rec["curve"]] == [s for s, _ in curve] and "samples" not in rec["curve"][0]
+    stored = {("sync_grpo:a=1", 0): json.loads(json.dumps(rec))}
+    rows2, last2, curve2 = find_run(tmp_path / "nowhere", "sync_grpo:a=1", 0, stored)
+    from lab.drift_grid import outcome
+
+    again = outcome(rows2, last2, curve2, start, 0.15, {})
+    assert (again["collapse_rule"], again["collapse_step"]) == ("heldout", 16)
+    old = {k: v for k, v in rec.items() if k != "curve"}  # a record written before the curve
+    assert find_run(tmp_path / "nowhere", "sync_grpo:a=1", 0, {("sync_grpo:a=1", 0): old})[2] == []
+
+
 def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_evaluation(tmp_path):
     from tools.report import posthoc_points, render
 
