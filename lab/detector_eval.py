@@ -82,8 +82,20 @@ NETS = {  # ceilings (floors for the ESS), scored from the first step
     "shipped": {"train/kl_behavior": 0.2, "train/clip_frac": 0.2, "is/ess_frac": 0.1},
     "loose": {"train/kl_behavior": 1.0, "train/clip_frac": 0.2, "is/ess_frac": 0.05},
 }
-GRID = dict(threshold=(2.0, 2.5, 3.0, 4.0), patience=(1, 2, 3), alpha=(0.3, 0.15), warmup=(10,))
-VCPO_GRID = dict(ess_drop=(0.5, 0.7, 0.9), spike=(3.0, 5.0, 10.0), window=(1, 5, 10))
+# ``baseline``: ``ramp`` learns the baseline once the delayed sync's lag reached K (what the drift
+# monitor does); ``first`` learns it from the first trained step. With several optimizer steps per
+# rollout batch the ramp lasts K batches (4K steps with 4 minibatches), so a ``ramp`` baseline is
+# complete only at step 4K + warmup, after many collapses have begun.
+GRID = dict(
+    threshold=(2.0, 2.5, 3.0, 4.0),
+    patience=(1, 2, 3),
+    alpha=(0.3, 0.15),
+    warmup=(10,),
+    baseline=("ramp", "first"),
+)
+VCPO_GRID = dict(
+    ess_drop=(0.5, 0.7, 0.9), spike=(3.0, 5.0, 10.0), window=(1, 5, 10), baseline=("ramp", "first")
+)
 
 
 @dataclass
@@ -184,9 +196,11 @@ class VcpoRule:
         return self.t - self.last_drop < self.window and self.t - self.last_spike < self.window
 
 
-def first_alarm(detector, run: Run) -> int | None:
+def first_alarm(detector, run: Run, from_first: bool = False) -> int | None:
+    """The first step ``detector`` alarms on; ``from_first``: it learns from the first trained
+    step on, not from the end of the lag's ramp."""
     for step, m, learn in run.steps:
-        reading = detector.update(m, learn=learn)
+        reading = detector.update(m, learn=learn or from_first)
         if getattr(reading, "alarm", reading):
             return step
     return None
@@ -253,20 +267,21 @@ class Traces:
         self.runs = runs
         self.cache: dict[tuple[float, int], list[dict[str, list[float]]]] = {}
 
-    def of(self, alpha: float, warmup: int) -> list[dict[str, list[float]]]:
-        if (alpha, warmup) not in self.cache:
-            self.cache[(alpha, warmup)] = [self._trace(run, alpha, warmup) for run in self.runs]
-        return self.cache[(alpha, warmup)]
+    def of(self, alpha: float, warmup: int, baseline: str = "ramp") -> list[dict[str, list[float]]]:
+        key = (alpha, warmup, baseline)
+        if key not in self.cache:
+            self.cache[key] = [self._trace(run, alpha, warmup, baseline == "first") for run in self.runs]
+        return self.cache[key]
 
     @staticmethod
-    def _trace(run: Run, alpha: float, warmup: int) -> dict[str, list[float]]:
+    def _trace(run: Run, alpha: float, warmup: int, from_first: bool) -> dict[str, list[float]]:
         dets = {v: DriftDetector(signals=[s], alpha=alpha, warmup=warmup) for v, s in VARIANTS.items()}
         keys = {k for net in NETS.values() for k in net}
         out: dict[str, list[float]] = {name: [] for name in [*dets, *keys]}
         level: dict[str, float] = {}
         for _, m, learn in run.steps:
             for v, det in dets.items():
-                r = det.update(m, learn=learn)
+                r = det.update(m, learn=learn or from_first)
                 x = m.get(VARIANTS[v].key, 0.0)
                 out[v].append(math.inf if not math.isfinite(x) else r.z.get(VARIANTS[v].key, -math.inf))
             for key in keys:
@@ -281,7 +296,9 @@ class Traces:
     def alarms(self, config: dict) -> list[int | None]:
         net, t, p = NETS[config["net"]], config["threshold"], config["patience"]
         result = []
-        for run, tr in zip(self.runs, self.of(config["alpha"], config["warmup"])):
+        for run, tr in zip(
+            self.runs, self.of(config["alpha"], config["warmup"], config.get("baseline", "ramp"))
+        ):
             over, alarm = 0, None
             for i, (step, _, _) in enumerate(run.steps):
                 hit = any(tr[v][i] > t for v in config["signals"])
@@ -352,8 +369,17 @@ def ess_blind(run: Run) -> bool:
     return all(m.get("is/ess_frac", 1.0) == 1.0 for _, m, _ in run.steps)
 
 
-def replayed(make, runs: list[Run]) -> list[int | None]:
-    return [first_alarm(make(), run) for run in runs]
+def replayed(make, runs: list[Run], from_first: bool = False) -> list[int | None]:
+    return [first_alarm(make(), run, from_first) for run in runs]
+
+
+def vcpo_alarms(config: dict, runs: list[Run]) -> list[int | None]:
+    rule = {k: v for k, v in config.items() if k != "baseline"}
+    return replayed(lambda: VcpoRule(**rule), runs, config.get("baseline") == "first")
+
+
+def selective_alarms(config: dict, runs: list[Run]) -> list[int | None]:
+    return replayed(lambda: detector_of(config), runs, config.get("baseline") == "first")
 
 
 def evaluate(
@@ -395,15 +421,15 @@ def evaluate(
             {"is/ess_frac below": level}, replayed(lambda level=level: EssThreshold(level), every)
         )
     vcpo = [dict(zip(VCPO_GRID, k)) for k in itertools.product(*VCPO_GRID.values())]
-    vcpo_fit = [(c, score(fit, replayed(lambda c=c: VcpoRule(**c), fit))) for c in vcpo]
+    vcpo_fit = [(c, score(fit, vcpo_alarms(c, fit))) for c in vcpo]
     vcpo_best = ranked(vcpo_fit) or fallback(vcpo_fit)
-    cands["vcpo"] = report(vcpo_best[0][0], replayed(lambda: VcpoRule(**vcpo_best[0][0]), every))
+    cands["vcpo"] = report(vcpo_best[0][0], vcpo_alarms(vcpo_best[0][0], every))
     cands["vcpo"]["met_goal_on_fit"] = feasible(vcpo_best[0][1])
     traces = Traces(fit)
     grid = [(c, score(fit, traces.alarms(c))) for c in grid_configs()]
     order = ranked(grid)
     best = (order or fallback(grid))[0][0]
-    alarms = replayed(lambda: detector_of(best), every)
+    alarms = selective_alarms(best, every)
     by_run = dict(zip(map(id, every), alarms))
     if [by_run[id(r)] for r in fit] != traces.alarms(best):
         raise SystemExit("the grid's shortcut and a DriftDetector replay disagree")  # a bug, not a result
@@ -430,7 +456,7 @@ def evaluate(
                 {
                     "config": c,
                     "fit": s,
-                    "held_out": report(c, replayed(lambda c=c: detector_of(c), every))["held_out"],
+                    "held_out": report(c, selective_alarms(c, every))["held_out"],
                 }
                 for c, s in order[:top]
             ],
@@ -445,7 +471,11 @@ def cell(s: dict) -> str:
 
 def describe(config: dict) -> str:
     if "signals" in config:
-        knobs = ", ".join(f"{k} {config[k]}" for k in ("threshold", "patience", "alpha", "warmup"))
+        knobs = ", ".join(
+            f"{k} {config[k]}"
+            for k in ("threshold", "patience", "alpha", "warmup", "baseline")
+            if k in config
+        )
         return f"{'+'.join(config['signals']) or '-'}; nets {config['net']}; {knobs}"
     return ", ".join(f"{k} {v}" for k, v in config.items())
 

@@ -21,7 +21,9 @@ from lab.detector_eval import (
     ranked,
     replayed,
     score,
+    selective_alarms,
     trained_steps,
+    vcpo_alarms,
 )
 from lab.drift_grid import SLIDE_WARMUP, below_start_step, replay
 from modules.callbacks.drift_score import DriftDetector
@@ -76,7 +78,33 @@ def test_the_grid_shortcut_agrees_with_a_replay_of_the_detector_it_stands_for():
     configs = grid_configs()
     assert len(configs) > 1000
     for config in configs[:: len(configs) // 60]:
-        assert traces.alarms(config) == replayed(lambda c=config: detector_of(c), runs), config
+        assert traces.alarms(config) == selective_alarms(config, runs), config
+
+
+def test_a_baseline_learned_from_the_first_step_sees_a_drift_that_begins_during_the_ramp():
+    """With several optimizer steps per batch a lag of K ramps over 4K steps: a drift that starts
+    inside the ramp is already in a ``ramp`` baseline (learned after it) and the alarm comes
+    late or never; a ``first`` baseline is learned before the drift and alarms sooner."""
+    lag, drift_at = 32, 12
+    r = rows(60, lag, seed=5, drift_at=drift_at)
+    run = run_of(r, lag, collapse=40)
+    config = {
+        "signals": ["kl", "grad_norm"],
+        "net": "none",
+        "threshold": 3.0,
+        "patience": 2,
+        "alpha": 0.3,
+        "warmup": 10,
+        "baseline": "first",
+    }
+    first = selective_alarms(config, [run])[0]
+    ramp = selective_alarms({**config, "baseline": "ramp"}, [run])[0]
+    assert first is not None and drift_at < first < lag
+    assert ramp is None or ramp > lag + 10  # no ramp baseline before step K + warmup
+    assert first == first_alarm(detector_of(config), run, from_first=True)
+    assert Traces([run]).alarms(config) == [first]
+    vcpo = {"ess_drop": 0.9, "spike": 3.0, "window": 10}
+    assert vcpo_alarms({**vcpo, "baseline": "ramp"}, [run]) == replayed(lambda: VcpoRule(**vcpo), [run])
 
 
 def test_scores_count_false_alarms_misses_and_leads_and_leave_undated_collapses_out():
