@@ -109,6 +109,7 @@ class Run:
     collapse_step: int | None
     rule: str | None
     final: float
+    marginal: bool = False  # ended below the warm start by less than ``--margin``: not scored
 
 
 def trained_steps(rows: list[dict[str, str]], lag: int) -> list[tuple[int, dict[str, float], bool]]:
@@ -129,9 +130,10 @@ def trained_steps(rows: list[dict[str, str]], lag: int) -> list[tuple[int, dict[
     return out
 
 
-def load_runs(store: Path, drop: float = 0.15) -> list[Run]:
+def load_runs(store: Path, drop: float = 0.15, margin: float = 0.0) -> list[Run]:
     """A store's runs with ``lab.drift_grid.outcome``'s verdicts (against the warm start the
-    store's own runs began from)."""
+    store's own runs began from). ``margin``: a run whose final held-out reward is below the
+    warm start by less than this is ``marginal`` (neither a collapse nor a healthy run)."""
     stored = run_store.load(store)
     start = start_reward(None, stored)  # the store's evaluations only
     runs = []
@@ -150,6 +152,7 @@ def load_runs(store: Path, drop: float = 0.15) -> list[Run]:
             collapse_step=o["collapse_step"],
             rule=o["collapse_rule"],
             final=o["final_sampled"],
+            marginal=o["collapsed"] and o["final_sampled"] >= start - margin,
         )
         runs.append(run)
     return runs
@@ -222,14 +225,17 @@ def at_earliest(run: Run) -> bool:
 def score(runs: list[Run], alarms: list[int | None]) -> dict:
     """False alarms / healthy runs, missed and alarmed dated collapses, their lead times."""
     healthy = [a for r, a in zip(runs, alarms) if not r.collapsed]
-    dated = [(r, a) for r, a in zip(runs, alarms) if r.collapsed and r.collapse_step is not None]
+    dated = [
+        (r, a) for r, a in zip(runs, alarms) if r.collapsed and not r.marginal and r.collapse_step is not None
+    ]
     leads = sorted(r.collapse_step - a for r, a in dated if a is not None)
     sharp = sorted(r.collapse_step - a for r, a in dated if a is not None and r.rule == "drop")
     return {
         "healthy": len(healthy),
         "false_alarms": sum(a is not None for a in healthy),
         "collapsed": len(dated),
-        "undated": sum(r.collapsed and r.collapse_step is None for r in runs),
+        "undated": sum(r.collapsed and not r.marginal and r.collapse_step is None for r in runs),
+        "marginal": sum(r.marginal for r in runs),
         "missed": sum(a is None for _, a in dated),
         "timely": sum(x >= TIMELY for x in leads),
         "median_lead": statistics.median(leads) if leads else None,
@@ -388,13 +394,14 @@ def evaluate(
     top: int = 8,
     store: Path = GRID_STORE,
     extra: tuple[Path, ...] = EXTRA_STORES,
+    margin: float = 0.0,
 ) -> dict:
     """Candidates fitted on ``store``'s lagged runs of ``fit_seeds``, reported on its other seeds'
     lagged runs, on its lag-0 runs and on the ``extra`` stores (both never fitted on)."""
-    stored = load_runs(store, drop)
+    stored = load_runs(store, drop, margin)
     runs = [r for r in stored if r.lag > 0]
     lag0 = [r for r in stored if r.lag == 0]
-    every = runs + lag0 + [r for s in extra for r in load_runs(s, drop)]
+    every = runs + lag0 + [r for s in extra for r in load_runs(s, drop, margin)]
     fit = [r for r in runs if r.seed in fit_seeds]
     groups = {
         "fit": fit,
@@ -440,6 +447,7 @@ def evaluate(
         "store": store.name,
         "extra": [s.name for s in extra],
         "fit_seeds": fit_seeds,
+        "margin": margin,
         "held_out_seeds": sorted({r.seed for r in groups["held_out"]}),
         "ess_blind_collapses": {
             name: sum(r.collapsed and ess_blind(r) for r in group) for name, group in groups.items()
@@ -535,6 +543,13 @@ def markdown(result: dict) -> str:
         f" {d['held_out']['dated_at_earliest']} of {d['held_out']['collapsed']}; undated: fit"
         f" {d['fit']['undated']}, held out {d['held_out']['undated']}",
     ]
+    if result["margin"]:
+        lines += [
+            "",
+            f"Marginal runs (final within {result['margin']:g} below the warm start; not scored): fit"
+            f" {d['fit']['marginal']}, held out {d['held_out']['marginal']}, K = 0 {d['lag0']['marginal']},"
+            f" never fitted {d['extra']['marginal']}",
+        ]
     blind = result["ess_blind_collapses"]
     lines += ["", f"Collapses in bypass runs (ESS fraction always 1, invisible to ESS rules): {blind}"]
     return "\n".join(lines)
@@ -544,13 +559,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit-seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--drop", type=float, default=0.15, help="reward-EMA drop that dates a collapse")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="a run ending below the warm start by less than this is marginal: not scored",
+    )
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--store", type=Path, default=GRID_STORE, help="the runs fitted on and held out")
     parser.add_argument(
         "--extra", type=Path, nargs="*", default=list(EXTRA_STORES), help="stores never fitted on"
     )
     args = parser.parse_args()
-    result = evaluate(args.fit_seeds, args.drop, store=args.store, extra=tuple(args.extra))
+    result = evaluate(
+        args.fit_seeds, args.drop, store=args.store, extra=tuple(args.extra), margin=args.margin
+    )
     print(markdown(result) if args.markdown else json.dumps(result))
 
 

@@ -120,6 +120,12 @@ def test_scores_count_false_alarms_misses_and_leads_and_leave_undated_collapses_
     assert (s["false_alarms"], s["healthy"], s["missed"], s["collapsed"], s["undated"]) == (1, 2, 1, 3, 1)
     assert s["leads"] == [-5, 15] and s["median_lead"] == 5 and s["timely"] == 1
     assert s["median_lead_sharp"] == 15 and s["sharp"] == "1/2 alarmed"
+    # a run that ended just below the warm start (within --margin) is neither a collapse nor
+    # healthy: its alarm is neither a false alarm nor a lead
+    marginal = replace(run_of([], 0, 20), marginal=True)
+    t = score([*runs, marginal], [10, None, 25, 35, None, 3, 5])
+    assert {k: t[k] for k in s if k != "marginal"} == {k: s[k] for k in s if k != "marginal"}
+    assert (s["marginal"], t["marginal"]) == (0, 1)
 
 
 def test_the_rule_keeps_the_goal_then_the_most_timely_alarms():
@@ -164,7 +170,7 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
     point meets the goal still gets a report (flagged), not an exit."""
     import lab.detector_eval as de
 
-    def made(store: Path, drop: float = 0.15) -> list[Run]:
+    def made(store: Path, drop: float = 0.15, margin: float = 0.0) -> list[Run]:
         if store.name == "grid.jsonl":
             runs = []
             for seed in (1, 2):
@@ -200,7 +206,7 @@ def test_evaluate_reports_a_fallback_when_no_grid_point_meets_the_goal(monkeypat
     """A fit seed whose only collapse has no date: no median lead, so no point is feasible."""
     import lab.detector_eval as de
 
-    def made(store: Path, drop: float = 0.15) -> list[Run]:
+    def made(store: Path, drop: float = 0.15, margin: float = 0.0) -> list[Run]:
         r = rows(60, 4, seed=7, drift_at=25)
         undated = Run("K=4 s1", "grid", 1, 4, trained_steps(r, 4), True, None, None, 0.0)
         held = replace(run_of(r, 4, 45), seed=2, name="K=4 s2", store="grid")
