@@ -5,20 +5,26 @@
     python -m lab.detector_eval --fit-seeds 2 --markdown    # the other fold
     python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_b2.jsonl --extra ... --markdown
                                                             # any other grid store (its lag-0 runs never fitted)
+    python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_dense.jsonl --margin 0.05 ...
+                                                            # collapses dated on a dense held-out curve
 
 Runs: ``lab/results/drift_grid_3e-3.jsonl`` (sync_grpo with a delayed sync of lag K in {1, 2, 4,
 8} x 7 arms x seeds 1-2, lr 3e-3, 60 steps; the store holds no seed 0) and, never fitted on,
 ``lab/results/drift_mismatch_2e-3.jsonl`` (bf16 engine at lag 0, seeds 0-2, none collapses).
 Outcomes are ``lab.drift_grid.outcome``'s: collapse = final held-out sampled reward below the warm
-start's (or stopped on non-finite losses), dated from ``train/reward_ema``; lead = collapse step
-- first alarm; a false alarm is an alarm in a run that did not collapse. A collapse the rule could
-not date is left out of the lead and miss counts (``undated``). Each detector is fed what the
-drift monitor feeds it (trained steps; the baseline from the step the lag reached K).
+start's (or stopped on non-finite losses), dated on the held-out curve where the store has one
+evaluated between the run's ends (``heldout``: ``lab/results/lag_grid_mb4_2e-3_dense.jsonl``,
+every 4 steps), else from ``train/reward_ema``; lead = collapse step - first alarm; a false
+alarm is an alarm in a run that did not collapse. A collapse the rule could not date is left out
+of the lead and miss counts (``undated``). ``--margin m``: a run ending below the warm start by
+less than m is ``marginal``, neither a collapse nor healthy (not scored). Each detector is fed
+what the drift monitor feeds it (trained steps; the baseline from the step the lag reached K,
+or, for the grid points with ``baseline first``, from the first trained step).
 
 Candidates: ``shipped`` (``DriftDetector`` with the defaults before issue 38), ``verl_ess_*``
 (the ESS fraction of the IS weights under verl's thresholds: above 0.5 fine, below 0.3 warn),
 ``vcpo`` (VCPO's diagnosis, Huang et al. 2026: a fall of the ESS fraction together with a
-gradient-norm spike; its three parameters chosen on the fit seeds), ``selective`` (a
+gradient-norm spike; its parameters chosen on the fit seeds), ``selective`` (a
 ``DriftDetector`` configuration chosen on the fit seeds from ``GRID``) and ``default`` (whatever
 ``modules.callbacks.drift_score`` ships now). The ESS fraction is 1.0 in every bypass run (no IS
 weight): ESS rules cannot see those runs at all.
