@@ -21,7 +21,8 @@ Definitions (per run):
 * collapse: the held-out sampled reward of the final policy is below the warm start's, or the
   run stopped on non-finite losses; the collapse *step* is, where the held-out curve was
   evaluated between the run's ends (``--eval-every`` a few versions), the first evaluated step
-  from which that reward stays below the warm start's (``heldout``); otherwise the first step at
+  from which that reward stays ``HELDOUT_MARGIN`` (0.05) or more below the warm start's
+  (``heldout``; a run ending closer to the start has no date there); otherwise the first step at
   which the training reward's EMA (``train/reward_ema``) falls ``--drop`` below its running
   maximum, or, for a slow slide that never drops that far, the first step from which the EMA
   stays below the mean training reward of the first 10 steps (``collapse_rule`` says which
@@ -292,17 +293,30 @@ def find_run(
     return None
 
 
-def heldout_step(curve: list[dict], start: float) -> int | None:
-    """First evaluated step from which the held-out sampled reward stays below ``start`` until
-    the run's last evaluation; None without a curve evaluated between the start and the end
-    (a grid evaluated at its end points only). The fall happened after the evaluation before
-    this one: the date is late by less than the evaluation interval."""
-    points = [(int(p["step"]), p["eval/sampled_reward_mean"]) for p in curve if p.get("step")]
-    if len(points) < 2:
+# How far below the warm start a held-out point must be to date a fall: at lr 2e-3 every run's
+# first evaluation (step 4, before any lag acts) sits ~0.035 below it and most recover, so
+# "below the start" alone would date a run that later falls at that first dip. About 4.5
+# standard errors of the difference of two evaluations (each ~0.008).
+HELDOUT_MARGIN = 0.05
+
+
+def dense(curve: list[dict]) -> bool:
+    """A held-out curve evaluated somewhere between the run's start and its end."""
+    return len([p for p in curve if p.get("step")]) >= 2
+
+
+def heldout_step(curve: list[dict], level: float) -> int | None:
+    """First evaluated step from which the held-out sampled reward stays below ``level`` until
+    the run's last evaluation (None: it ends at or above it, or the curve is not ``dense``).
+    The fall happened after the evaluation before this one: the date is late by less than the
+    evaluation interval."""
+    if not dense(curve):
         return None
     since = None
-    for step, x in points:
-        since = (since if since is not None else step) if not x >= start else None
+    for p in curve:
+        if p.get("step"):
+            x = p["eval/sampled_reward_mean"]
+            since = (since if since is not None else int(p["step"])) if not x >= level else None
     return since
 
 
@@ -318,16 +332,18 @@ def outcome(
     """One run's outcome from its metrics rows, final held-out evaluation and held-out curve. A
     run with no final evaluation (``last`` None) stopped early (non-finite losses): a collapse
     dated at its last logged step. A collapse with a held-out curve evaluated between its ends
-    is dated on it (``heldout_step``), independently of the training reward."""
+    is dated on it (``heldout_step`` at ``HELDOUT_MARGIN`` below the start), independently of
+    the training reward, or not at all."""
     stopped = last is None
     last = last or {}
     final = last.get("eval/sampled_reward_mean", float("nan"))
     collapsed = not final >= start
     c_step, rule = None, None
-    if collapsed:
-        c_step, rule = heldout_step(curve or [], start), "heldout"
-        if c_step is None:
-            c_step, rule = collapse_step(rows, drop), "drop"
+    if collapsed and dense(curve or []):
+        c_step = heldout_step(curve or [], start - HELDOUT_MARGIN)
+        rule = "heldout" if c_step is not None else None
+    elif collapsed:
+        c_step, rule = collapse_step(rows, drop), "drop"
         if c_step is None and stopped:
             c_step, rule = max((int(r["step"]) for r in rows if r.get("step")), default=0), "stopped"
         if c_step is None:

@@ -97,7 +97,7 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     its end points only leaves the old rules in charge. The store keeps the curve, and a stored
     run is dated as its directory is."""
     from lab import run_store
-    from lab.drift_grid import find_run, heldout_step
+    from lab.drift_grid import HELDOUT_MARGIN, find_run, heldout_step, outcome
 
     start = 0.39
     curve = [(0, 0.39), (4, 0.40), (8, 0.38), (12, 0.41), (16, 0.30), (20, 0.10), (24, 0.05)]
@@ -110,6 +110,13 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     assert (
         heldout_step(history[:-2] + [dict(history[-1], **{"eval/sampled_reward_mean": 0.5})], start) is None
     )
+    # a first dip just below the start that never quite recovers, then the fall: the margin
+    # dates the fall, not the dip; a run ending within the margin has no held-out date
+    dip = [(0, 0.39), (4, 0.355), (8, 0.37), (12, 0.36), (16, 0.28), (20, 0.2)]
+    dip = [{"step": s, "eval/sampled_reward_mean": x} for s, x in dip]
+    assert heldout_step(dip, start) == 4 and heldout_step(dip, start - HELDOUT_MARGIN) == 16
+    near = dip[:4]
+    assert outcome(rows_of([0.5] * 13), near[-1], near, start, 0.15, {})["collapse_rule"] is None
 
     rows = rows_of([0.5] * 25)
     run = write_run(tmp_path / "dense" / "seed0", rows, None)
@@ -126,8 +133,6 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     assert [p["step"] for p in rec["curve"]] == [s for s, _ in curve] and "samples" not in rec["curve"][0]
     stored = {("sync_grpo:a=1", 0): json.loads(json.dumps(rec))}
     rows2, last2, curve2 = find_run(tmp_path / "nowhere", "sync_grpo:a=1", 0, stored)
-    from lab.drift_grid import outcome
-
     again = outcome(rows2, last2, curve2, start, 0.15, {})
     assert (again["collapse_rule"], again["collapse_step"]) == ("heldout", 16)
     old = {k: v for k, v in rec.items() if k != "curve"}  # a record written before the curve
