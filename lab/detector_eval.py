@@ -7,6 +7,7 @@
                                                             # any other grid store (its lag-0 runs never fitted)
     python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_dense.jsonl --margin 0.05 ...
                                                             # collapses dated on a dense held-out curve
+    python -m lab.detector_eval --store A.jsonl B.jsonl ... # several stores: fit on all their fit seeds
 
 Runs: ``lab/results/drift_grid_3e-3.jsonl`` (sync_grpo with a delayed sync of lag K in {1, 2, 4,
 8} x 7 arms x seeds 1-2, lr 3e-3, 60 steps; the store holds no seed 0) and, never fitted on,
@@ -398,13 +399,15 @@ def evaluate(
     fit_seeds: list[int],
     drop: float = 0.15,
     top: int = 8,
-    store: Path = GRID_STORE,
+    store: Path | tuple[Path, ...] = GRID_STORE,
     extra: tuple[Path, ...] = EXTRA_STORES,
     margin: float = 0.0,
 ) -> dict:
-    """Candidates fitted on ``store``'s lagged runs of ``fit_seeds``, reported on its other seeds'
-    lagged runs, on its lag-0 runs and on the ``extra`` stores (both never fitted on)."""
-    stored = load_runs(store, drop, margin)
+    """Candidates fitted on the lagged runs of ``fit_seeds`` in ``store`` (one store or several),
+    reported on their other seeds' lagged runs, on their lag-0 runs and on the ``extra`` stores
+    (both never fitted on)."""
+    stores = (store,) if isinstance(store, Path) else tuple(store)
+    stored = [r for s in stores for r in load_runs(s, drop, margin)]
     runs = [r for r in stored if r.lag > 0]
     lag0 = [r for r in stored if r.lag == 0]
     every = runs + lag0 + [r for s in extra for r in load_runs(s, drop, margin)]
@@ -450,7 +453,7 @@ def evaluate(
     cands["selective"]["met_goal_on_fit"] = bool(order)
     cands["default"] = report({"DriftDetector": "defaults now"}, replayed(DriftDetector, every))
     return {
-        "store": store.name,
+        "store": ", ".join(s.name for s in stores),
         "extra": [s.name for s in extra],
         "fit_seeds": fit_seeds,
         "margin": margin,
@@ -572,13 +575,19 @@ def main() -> None:
         help="a run ending below the warm start by less than this is marginal: not scored",
     )
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--store", type=Path, default=GRID_STORE, help="the runs fitted on and held out")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        nargs="+",
+        default=[GRID_STORE],
+        help="the runs fitted on (lagged, fit seeds) and held out (lagged, other seeds)",
+    )
     parser.add_argument(
         "--extra", type=Path, nargs="*", default=list(EXTRA_STORES), help="stores never fitted on"
     )
     args = parser.parse_args()
     result = evaluate(
-        args.fit_seeds, args.drop, store=args.store, extra=tuple(args.extra), margin=args.margin
+        args.fit_seeds, args.drop, store=tuple(args.store), extra=tuple(args.extra), margin=args.margin
     )
     print(markdown(result) if args.markdown else json.dumps(result))
 

@@ -200,6 +200,11 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
     assert c["fit"]["healthy"] == 0 and c["held_out"]["healthy"] == 0  # lag-0 runs are never fitted on
     assert result["held_out_seeds"] == [2] and result["store"] == "grid.jsonl"
     assert "lag-0 runs" in de.markdown(result)
+    # two stores: the lagged runs of the fit seed in both are fitted, the others held out
+    both = de.evaluate([1], store=(tmp_path / "grid.jsonl", tmp_path / "grid.jsonl"), extra=(), top=1)
+    d = both["candidates"]["default"]
+    assert (d["fit"]["collapsed"], d["held_out"]["collapsed"], d["lag0"]["healthy"]) == (2, 2, 4)
+    assert both["store"] == "grid.jsonl, grid.jsonl"
 
 
 def test_evaluate_reports_a_fallback_when_no_grid_point_meets_the_goal(monkeypatch, tmp_path):
