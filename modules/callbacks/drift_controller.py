@@ -31,8 +31,10 @@ version (back towards its value before the cut, which is then done), the lr up b
 ``lr_relax_steps``-th of its cut (x2^(1/4) per step for a halving): multiplicative
 decrease, slow increase, as TCP does with its window (a relaxed lr that at once brings the
 drift back undoes the rescue: measured, docs/estimators.md). Under a delayed sync the detector's
-baseline waits until the lag has ramped up to K (its first K versions are less stale); the
-absolute ceilings score from the first step. Skipped (non-finite) steps are not fed to it.
+baseline waits until the lag has ramped up to K (its first K versions are less stale) unless
+``baseline`` is ``first`` (learned from the first step, as it is in every run without a delayed
+sync; with several optimizer steps per batch the ramp lasts K batches, and a collapse can begin
+inside it); the absolute ceilings score from the first step. Skipped (non-finite) steps are not fed to it.
 Every action is logged as ``controller/*`` metrics and on the console. The state (detector,
 notches taken, the cap) is checkpointed; a resume whose ``actions`` no longer include
 ``truncate``, or whose loss has nothing to cap, drops the cap. Under DDP every rank sees the same reduced metrics and takes
@@ -56,6 +58,7 @@ from modules.launch.config_errors import check
 log = logging.getLogger(__name__)
 
 ACTIONS = ("staleness", "lr", "truncate")
+BASELINES = ("ramp", "first")
 MIN_TRUNCATION = 1.0
 
 
@@ -84,8 +87,10 @@ class DriftCallback(L.Callback):
         relax_after: int = 20,
         lr_relax_steps: int = 4,
         truncate_to: float = 2.0,
+        baseline: str = "ramp",
     ) -> None:
         actions = list(actions or [])
+        check("callbacks.drift.baseline", baseline, baseline in BASELINES, f"one of {list(BASELINES)}")
         for a in actions:
             check("callbacks.drift.actions", actions, a in ACTIONS, f"a list drawn from {list(ACTIONS)}")
         check("callbacks.drift.lr_factor", lr_factor, 0 < lr_factor < 1, "a float in (0, 1)")
@@ -114,6 +119,7 @@ class DriftCallback(L.Callback):
             and truncate_to >= MIN_TRUNCATION,
             f"a finite float >= {MIN_TRUNCATION} (the first cap put on uncapped correction weights)",
         )
+        self.baseline = baseline
         self.lr_relax_steps = lr_relax_steps
         self.truncate_to = float(truncate_to)
         self.detector = detector
@@ -232,7 +238,7 @@ class DriftCallback(L.Callback):
             # must relax back before a baseline is fitted, else K's own level would read as drift
             self._ramp_done = (self._observed_staleness or 0) >= (self._configured_bound or 0)
         values = {"train/grad_norm": grad_norm}
-        reading = self.detector.update(metrics, learn=self._ramp_done)
+        reading = self.detector.update(metrics, learn=self._ramp_done or self.baseline == "first")
         values.update({"drift/score": reading.score, "drift/alarm": float(reading.alarm)})
         values.update({f"drift/z/{k}": v for k, v in reading.z.items()})
         self.alarms += int(reading.alarm)

@@ -360,6 +360,18 @@ def test_detector_waits_for_the_lag_ramp():
     assert len(cb.detector.history["is/ess_frac"]) == 1
 
 
+def test_a_first_step_baseline_learns_during_the_lag_ramp():
+    cb, trainer, module, ws, opt, sched, logged = make_run(lag=4, actions=[], baseline="first")
+    rng = random.Random(9)
+    for t in range(4):  # the ramp: learned from, unlike the default ``ramp`` baseline
+        m = healthy(t, rng)
+        m["rollout/staleness_max"] = float(t)
+        feed(cb, trainer, module, logged, m)
+        assert len(cb.detector.history["is/ess_frac"]) == t + 1
+    with pytest.raises(ValueError, match=r"callbacks\.drift\.baseline.*\['ramp', 'first'\]"):
+        DriftCallback(DriftDetector(), baseline="start")
+
+
 def test_scale_learning_rate_without_scheduler():
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=0.1)
