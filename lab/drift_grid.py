@@ -21,8 +21,9 @@ Definitions (per run):
 * collapse: the held-out sampled reward of the final policy is below the warm start's, or the
   run stopped on non-finite losses; the collapse *step* is, where the held-out curve was
   evaluated between the run's ends (``--eval-every`` a few versions), the first evaluated step
-  from which that reward stays ``HELDOUT_MARGIN`` (0.05) or more below the warm start's
-  (``heldout``; a run ending closer to the start has no date there); otherwise the first step at
+  from which that reward stays more than ``HELDOUT_MARGIN`` (0.05) below the warm start's
+  (``heldout``; dated at the training step whose update made those weights; a run ending
+  closer to the start has no date there); otherwise the first step at
   which the training reward's EMA (``train/reward_ema``) falls ``--drop`` below its running
   maximum, or, for a slow slide that never drops that far, the first step from which the EMA
   stays below the mean training reward of the first 10 steps (``collapse_rule`` says which
@@ -230,8 +231,9 @@ def below_start_step(rows: list[dict[str, str]], warmup: int = SLIDE_WARMUP) -> 
 
 def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
     """First alarm step of a fresh detector fed the run's logged metrics step by step, as the
-    monitor feeds it: trained steps only, the baseline from the step the delayed sync's lag
-    reached K (the ceilings from the first step)."""
+    monitor feeds it with its default ``callbacks.drift.baseline=ramp``: trained steps only, the
+    baseline from the step the delayed sync's lag reached K (the ceilings from the first step).
+    A run launched with ``baseline=first`` is replayed as such by ``lab.detector_eval``, not here."""
     det = DriftDetector(**detector)
     by_step: dict[int, dict[str, float]] = {}
     for r in rows:
@@ -293,10 +295,10 @@ def find_run(
     return None
 
 
-# How far below the warm start a held-out point must be to date a fall: at lr 2e-3 every run's
-# first evaluation (step 4, before any lag acts) sits ~0.035 below it and most recover, so
-# "below the start" alone would date a run that later falls at that first dip. About 4.5
-# standard errors of the difference of two evaluations (each ~0.008).
+# How far below the warm start a held-out point must be to date a fall: at lr 2e-3 the first
+# evaluation (step 4, before any lag acts) sits 0.01-0.04 below it (seeds 2 / 0 / 1) and most
+# runs recover, so "below the start" alone would date a run that later falls at that first dip.
+# About 4.5 standard errors of the difference of two evaluations (each ~0.008).
 HELDOUT_MARGIN = 0.05
 
 
@@ -306,17 +308,20 @@ def dense(curve: list[dict]) -> bool:
 
 
 def heldout_step(curve: list[dict], level: float) -> int | None:
-    """First evaluated step from which the held-out sampled reward stays below ``level`` until
-    the run's last evaluation (None: it ends at or above it, or the curve is not ``dense``).
-    The fall happened after the evaluation before this one: the date is late by less than the
-    evaluation interval."""
+    """The training step that produced the first evaluated weights from which the held-out
+    sampled reward stays below ``level`` until the run's last evaluation (None: it ends at or
+    above it, or the curve is not ``dense``). A checkpoint of step N holds the weights after N
+    optimizer steps, made by the update of metrics row N - 1: that row is the date, in the unit
+    of the detector's alarm steps (an alarm on the very update that made them leads by 0). The
+    fall happened after the evaluation before: the date is late by less than the evaluation
+    interval. A point without a sampled reward counts as below."""
     if not dense(curve):
         return None
     since = None
     for p in curve:
         if p.get("step"):
-            x = p["eval/sampled_reward_mean"]
-            since = (since if since is not None else int(p["step"])) if not x >= level else None
+            x = p.get("eval/sampled_reward_mean", math.nan)
+            since = (since if since is not None else int(p["step"]) - 1) if not x >= level else None
     return since
 
 

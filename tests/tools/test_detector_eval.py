@@ -77,7 +77,9 @@ def test_the_grid_shortcut_agrees_with_a_replay_of_the_detector_it_stands_for():
     traces = Traces(runs)
     configs = grid_configs()
     assert len(configs) > 1000
-    for config in configs[:: len(configs) // 60]:
+    sample = configs[:: len(configs) // 60 | 1]  # an odd stride: both baselines come up
+    assert {c["baseline"] for c in sample} == {"ramp", "first"}
+    for config in sample:
         assert traces.alarms(config) == selective_alarms(config, runs), config
 
 
@@ -103,8 +105,11 @@ def test_a_baseline_learned_from_the_first_step_sees_a_drift_that_begins_during_
     assert ramp is None or ramp > lag + 10  # no ramp baseline before step K + warmup
     assert first == first_alarm(detector_of(config), run, from_first=True)
     assert Traces([run]).alarms(config) == [first]
-    vcpo = {"ess_drop": 0.9, "spike": 3.0, "window": 10}
+    vcpo = {"ess_drop": 0.9, "spike": 2.0, "window": 10}
     assert vcpo_alarms({**vcpo, "baseline": "ramp"}, [run]) == replayed(lambda: VcpoRule(**vcpo), [run])
+    early = vcpo_alarms({**vcpo, "baseline": "first"}, [run])
+    assert early == [first_alarm(VcpoRule(**vcpo), run, from_first=True)]
+    assert early != vcpo_alarms({**vcpo, "baseline": "ramp"}, [run])
 
 
 def test_scores_count_false_alarms_misses_and_leads_and_leave_undated_collapses_out():
@@ -123,9 +128,12 @@ def test_scores_count_false_alarms_misses_and_leads_and_leave_undated_collapses_
     # a run that ended just below the warm start (within --margin) is neither a collapse nor
     # healthy: its alarm is neither a false alarm nor a lead
     marginal = replace(run_of([], 0, 20), marginal=True)
-    t = score([*runs, marginal], [10, None, 25, 35, None, 3, 5])
+    undated = replace(
+        run_of([], 0, None), collapsed=True, rule=None, marginal=True
+    )  # as load_runs makes them
+    t = score([*runs, marginal, undated], [10, None, 25, 35, None, 3, 5, 7])
     assert {k: t[k] for k in s if k != "marginal"} == {k: s[k] for k in s if k != "marginal"}
-    assert (s["marginal"], t["marginal"]) == (0, 1)
+    assert (s["marginal"], t["marginal"]) == (0, 2)
 
 
 def test_the_rule_keeps_the_goal_then_the_most_timely_alarms():
@@ -171,7 +179,7 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
     import lab.detector_eval as de
 
     def made(store: Path, drop: float = 0.15, margin: float = 0.0) -> list[Run]:
-        if store.name == "grid.jsonl":
+        if store.name.startswith("grid"):
             runs = []
             for seed in (1, 2):
                 for lag in (0, 4):
@@ -201,10 +209,12 @@ def test_evaluate_fits_on_lagged_runs_of_the_fit_seeds_only(monkeypatch, tmp_pat
     assert result["held_out_seeds"] == [2] and result["store"] == "grid.jsonl"
     assert "lag-0 runs" in de.markdown(result)
     # two stores: the lagged runs of the fit seed in both are fitted, the others held out
-    both = de.evaluate([1], store=(tmp_path / "grid.jsonl", tmp_path / "grid.jsonl"), extra=(), top=1)
+    both = de.evaluate([1], store=(tmp_path / "grid.jsonl", tmp_path / "grid2.jsonl"), extra=(), top=1)
     d = both["candidates"]["default"]
     assert (d["fit"]["collapsed"], d["held_out"]["collapsed"], d["lag0"]["healthy"]) == (2, 2, 4)
-    assert both["store"] == "grid.jsonl, grid.jsonl"
+    assert both["store"] == "grid.jsonl, grid2.jsonl"
+    with pytest.raises(SystemExit, match="more than once"):
+        de.evaluate([1], store=(tmp_path / "grid.jsonl",), extra=(tmp_path / "a" / "grid.jsonl",))
 
 
 def test_evaluate_reports_a_fallback_when_no_grid_point_meets_the_goal(monkeypatch, tmp_path):

@@ -104,9 +104,9 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     history = [
         {"step": s, "eval/sampled_reward_mean": x, "eval/reward_mean": 0.9, "samples": 1.0} for s, x in curve
     ]
-    assert heldout_step(history, start) == 16
+    assert heldout_step(history, start) == 15  # checkpoint 16: made by the update of row 15
     assert heldout_step(history[:1] + history[-1:], start) is None  # the ends only: no date from it
-    assert heldout_step(history[:1] + history[-2:], start) == 20
+    assert heldout_step(history[:1] + history[-2:], start) == 19
     assert (
         heldout_step(history[:-2] + [dict(history[-1], **{"eval/sampled_reward_mean": 0.5})], start) is None
     )
@@ -114,7 +114,7 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     # dates the fall, not the dip; a run ending within the margin has no held-out date
     dip = [(0, 0.39), (4, 0.355), (8, 0.37), (12, 0.36), (16, 0.28), (20, 0.2)]
     dip = [{"step": s, "eval/sampled_reward_mean": x} for s, x in dip]
-    assert heldout_step(dip, start) == 4 and heldout_step(dip, start - HELDOUT_MARGIN) == 16
+    assert heldout_step(dip, start) == 3 and heldout_step(dip, start - HELDOUT_MARGIN) == 15
     near = dip[:4]
     assert outcome(rows_of([0.5] * 13), near[-1], near, start, 0.15, {})["collapse_rule"] is None
 
@@ -123,7 +123,7 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     summary = {"first": history[0], "last": history[-1], "history": history}
     (run / "eval_summary.json").write_text(json.dumps(summary))
     out = analyze_run(run, start, 0.15, {})
-    assert out["collapsed"] and (out["collapse_rule"], out["collapse_step"]) == ("heldout", 16)
+    assert out["collapsed"] and (out["collapse_rule"], out["collapse_step"]) == ("heldout", 15)
 
     ends = write_run(tmp_path / "ends" / "seed0", rows_of([0.5] * 20 + [0.0] * 5), None)
     (ends / "eval_summary.json").write_text(json.dumps({**summary, "history": [history[0], history[-1]]}))
@@ -134,7 +134,7 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     stored = {("sync_grpo:a=1", 0): json.loads(json.dumps(rec))}
     rows2, last2, curve2 = find_run(tmp_path / "nowhere", "sync_grpo:a=1", 0, stored)
     again = outcome(rows2, last2, curve2, start, 0.15, {})
-    assert (again["collapse_rule"], again["collapse_step"]) == ("heldout", 16)
+    assert (again["collapse_rule"], again["collapse_step"]) == ("heldout", 15)
     old = {k: v for k, v in rec.items() if k != "curve"}  # a record written before the curve
     assert find_run(tmp_path / "nowhere", "sync_grpo:a=1", 0, {("sync_grpo:a=1", 0): old})[2] == []
 
