@@ -35,7 +35,8 @@ Selection rule, on the fit seeds only: false alarms <= 1/6 of the healthy runs a
 alarms, a longer median lead, fewer signals, a higher threshold, a longer patience. The rule picks
 from ``GRID``; the grid itself (which signals, their ``min_scale``, the nets) was drawn up after
 exploratory looks at both seeds, so the held-out numbers are not fully blind; ``baseline first``
-was added after a look at the 2e-3 set's fit seed (between equal scores ``ramp`` comes first).
+was added after a look at the 2e-3 set's fit seed (of two configurations that differ only in it,
+``ramp`` ranks first).
 With 5-7 healthy and ~22 collapsed runs per seed they are counts, not rates; ``--fit-seeds 2``
 runs the other fold.
 """

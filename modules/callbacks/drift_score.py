@@ -73,8 +73,9 @@ step 4K + 10, after plain decoupled's fall at step 23 (``callbacks.drift.baselin
 it from the first step). Refitted on every lagged store at once (fit one seed, hold out the
 others), entropy + gradient norm against a first-step baseline at threshold 2 meets the goal
 held out in one fold (false alarms 15/101, median lead 18.5) and not in the other (7/100, lead
-8; these defaults 15/100, lead 1), so the defaults stay: the goal is not met
-(``docs/estimators.md``, "Collapses dated on a held-out curve").
+8; these defaults 15/100, lead 1; 20 of the 24 held-out collapses are the one-step grid's, and
+on the held-out runs dated on a curve its median lead is 3), so the defaults stay: the goal is
+not met (``docs/estimators.md``, "Collapses dated on a held-out curve").
 """
 
 from __future__ import annotations
