@@ -119,7 +119,7 @@ class Run:
     collapse_step: int | None
     rule: str | None
     final: float
-    marginal: bool = False  # ended below the warm start by less than ``--margin``: not scored
+    marginal: bool = False  # ended below the warm start by at most ``--margin``: not scored
 
 
 def trained_steps(rows: list[dict[str, str]], lag: int) -> list[tuple[int, dict[str, float], bool]]:
@@ -391,11 +391,16 @@ def replayed(make, runs: list[Run], from_first: bool = False) -> list[int | None
 
 def vcpo_alarms(config: dict, runs: list[Run]) -> list[int | None]:
     rule = {k: v for k, v in config.items() if k != "baseline"}
-    return replayed(lambda: VcpoRule(**rule), runs, config.get("baseline") == "first")
+    return replayed(lambda: VcpoRule(**rule), runs, from_first(config))
 
 
 def selective_alarms(config: dict, runs: list[Run]) -> list[int | None]:
-    return replayed(lambda: detector_of(config), runs, config.get("baseline") == "first")
+    return replayed(lambda: detector_of(config), runs, from_first(config))
+
+
+def from_first(config: dict) -> bool:
+    """Whether a grid point learns its baseline from the first trained step (``baseline first``)."""
+    return config.get("baseline") == "first"
 
 
 def evaluate(

@@ -48,7 +48,7 @@ import math
 import shutil
 import statistics
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lab import bench_metrics, run_store
@@ -211,6 +211,15 @@ def collapse_step(rows: list[dict[str, str]], drop: float) -> int | None:
 SLIDE_WARMUP = 10  # trained steps whose mean training reward is a slide's reference
 
 
+def stays_below_from(points: Iterable[tuple[int, float]], level: float) -> int | None:
+    """The first step of the final stretch of ``(step, value)`` points below ``level`` (a NaN
+    value counts as below); None if the last point is not below it."""
+    since = None
+    for step, x in points:
+        since = (since if since is not None else step) if not x >= level else None
+    return since
+
+
 def below_start_step(rows: list[dict[str, str]], warmup: int = SLIDE_WARMUP) -> int | None:
     """First step from which the training-reward EMA stays below the mean training reward of
     the first ``warmup`` trained steps until the end of the run (the training-side twin of
@@ -221,12 +230,9 @@ def below_start_step(rows: list[dict[str, str]], warmup: int = SLIDE_WARMUP) -> 
     if len(raw) < warmup:
         return None
     start, warm_end = statistics.fmean(x for _, x in raw), raw[-1][0]
-    since = None  # only after the reference window: a date inside it could precede any alarm
-    for r in rows:
-        if r.get("train/reward_ema") and int(r["step"]) > warm_end:
-            x = float(r["train/reward_ema"])
-            since = (since if since is not None else int(r["step"])) if x < start else None
-    return since
+    # only after the reference window: a date inside it could precede any alarm
+    ema = ((int(r["step"]), float(r["train/reward_ema"])) for r in rows if r.get("train/reward_ema"))
+    return stays_below_from(((step, x) for step, x in ema if step > warm_end), start)
 
 
 def replay(rows: list[dict[str, str]], lag: int = 0, **detector: float) -> int | None:
@@ -317,12 +323,10 @@ def heldout_step(curve: list[dict], level: float) -> int | None:
     interval. A point without a sampled reward counts as below."""
     if not dense(curve):
         return None
-    since = None
-    for p in curve:
-        if p.get("step"):
-            x = p.get("eval/sampled_reward_mean", math.nan)
-            since = (since if since is not None else int(p["step"]) - 1) if not x >= level else None
-    return since
+    points = [
+        (int(p["step"]) - 1, p.get("eval/sampled_reward_mean", math.nan)) for p in curve if p.get("step")
+    ]
+    return stays_below_from(points, level)
 
 
 def outcome(
@@ -343,9 +347,10 @@ def outcome(
     last = last or {}
     final = last.get("eval/sampled_reward_mean", float("nan"))
     collapsed = not final >= start
+    curve = curve or []
     c_step, rule = None, None
-    if collapsed and dense(curve or []):
-        c_step = heldout_step(curve or [], start - HELDOUT_MARGIN)
+    if collapsed and dense(curve):
+        c_step = heldout_step(curve, start - HELDOUT_MARGIN)
         rule = "heldout" if c_step is not None else None
     elif collapsed:
         c_step, rule = collapse_step(rows, drop), "drop"
