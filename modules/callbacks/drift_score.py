@@ -66,16 +66,16 @@ seeds; ``python -m lab.detector_eval --store lab/results/lag_grid_mb4_2e-3_b2.js
 fitted on, these defaults alarmed in 8 of 19 surviving lagged runs and missed 7 of 17 dated
 collapses (the alarms on the others came a median 14 steps after the date), and no grid point
 refitted there meets the goal either. Rerun with a held-out curve every 4 steps and collapses
-dated on it (``lab/results/lag_grid_mb4_2e-3_dense.jsonl``, 21 runs, ``--margin 0.05``), these
-defaults alarmed on 4 of 7 clear collapses, all 10-29 steps after the held-out fall, and on 4 of
-11 healthy runs. Under a delayed sync with 4 steps per batch the baseline is complete only at
+dated on it (``lab/results/lag_grid_mb4_2e-3_dense.jsonl``, 24 runs, ``--margin 0.05``), these
+defaults alarmed on 5 of 9 clear collapses, four of them 10-29 steps after the held-out fall,
+and on 4 of 11 healthy runs. Under a delayed sync with 4 steps per batch the baseline is complete only at
 step 4K + 10, after plain decoupled's fall at step 23 (``callbacks.drift.baseline=first`` learns
 it from the first step). Refitted on every lagged store at once (fit one seed, hold out the
 others), entropy + gradient norm against a first-step baseline at threshold 2 meets the goal
-held out in one fold (false alarms 15/101, median lead 18.5) and not in the other (7/100, lead
-8; these defaults 15/100, lead 1; 20 of the 24 held-out collapses are the one-step grid's, and
-on the held-out runs dated on a curve its median lead is 3), so the defaults stay: the goal is
-not met (``docs/estimators.md``, "Collapses dated on a held-out curve").
+held out in one fold (false alarms 17/119, median lead 20) and not in the other (8/118, lead
+9; these defaults 18/118, lead 1; 20 of the 26 held-out collapses are the one-step grid's, and
+on the mid-run collapses of the held-out runs dated on a curve its median lead is 3), so the
+defaults stay: the goal is not met (``docs/estimators.md``, "Collapses dated on a held-out curve").
 """
 
 from __future__ import annotations
