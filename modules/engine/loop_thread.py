@@ -22,8 +22,9 @@ from modules.engine.types import EngineError
 
 
 class LoopThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, drain_s: float = 5.0) -> None:
         self.name = name
+        self.drain_s = drain_s  # how long tasks still pending at stop get to unwind (see _drain)
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -57,6 +58,7 @@ class LoopThread:
         except BaseException as e:  # surfaced by start()
             self.error = e
             self._ready.set()
+            self._drain(loop)
             loop.close()
             return
         self._ready.set()
@@ -65,7 +67,19 @@ class LoopThread:
         except BaseException as e:
             self.error = e
         finally:
+            self._drain(loop)
             loop.close()
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cancel the tasks still pending when the loop stops and give them ``drain_s`` to unwind:
+        their ``finally`` blocks run and every future ``run`` handed out resolves (cancelled), so
+        no caller waits forever on a request that was in flight at shutdown. A task that ignores
+        the cancellation is left behind after ``drain_s`` (bounded: the stop never hangs)."""
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=self.drain_s))
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> cf.Future:
         """Schedule ``coro`` on the loop from any thread."""
