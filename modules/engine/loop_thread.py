@@ -58,7 +58,6 @@ class LoopThread:
         except BaseException as e:  # surfaced by start()
             self.error = e
             self._ready.set()
-            self._drain(loop)
             loop.close()
             return
         self._ready.set()
@@ -67,19 +66,27 @@ class LoopThread:
         except BaseException as e:
             self.error = e
         finally:
-            self._drain(loop)
-            loop.close()
+            try:
+                if self.error is None:  # a clean stop; a loop that died keeps its error for check_health
+                    self._drain(loop)
+            finally:
+                loop.close()
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Cancel the tasks still pending when the loop stops and give them ``drain_s`` to unwind:
-        their ``finally`` blocks run and every future ``run`` handed out resolves (cancelled), so
-        no caller waits forever on a request that was in flight at shutdown. A task that ignores
-        the cancellation is left behind after ``drain_s`` (bounded: the stop never hangs)."""
+        """Cancel the tasks still pending at a clean stop and give them ``drain_s`` to unwind: their
+        ``finally`` blocks run and every future ``run`` handed out before the stop resolves
+        (cancelled), so no caller waits forever on a request that was in flight at shutdown. A
+        task that ignores the cancellation is left behind after ``drain_s``, and a second stop
+        during the drain ends it early: the stop is bounded either way."""
         pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for task in pending:
             task.cancel()
-        if pending:
+        if not pending:
+            return
+        try:
             loop.run_until_complete(asyncio.wait(pending, timeout=self.drain_s))
+        except RuntimeError:  # "Event loop stopped before Future completed": stopped again
+            pass
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> cf.Future:
         """Schedule ``coro`` on the loop from any thread."""

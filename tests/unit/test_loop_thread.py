@@ -70,3 +70,44 @@ def test_finished_requests_keep_their_results():
     assert thread.run(answer()).result(timeout=5) == 42
     thread.stop()
     assert not thread.alive
+
+
+def test_a_second_stop_during_the_drain_still_closes_the_loop():
+    thread = _started(drain_s=30)
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue
+
+    thread.run(stubborn())
+    time.sleep(0.1)
+    thread.stop(timeout_s=0.2)  # the loop stops and starts draining; the join gives up
+    assert thread.alive
+    t0 = time.monotonic()
+    thread.stop(timeout_s=5)  # a second stop (a shutdown called twice) lands in the drain
+    assert time.monotonic() - t0 < 3
+    assert not thread.alive
+    assert thread._loop is not None and thread._loop.is_closed()
+    assert thread.error is None
+
+
+def test_a_loop_that_died_keeps_its_error_for_the_health_check():
+    thread = _started()
+
+    async def in_flight() -> None:
+        await asyncio.sleep(3600)
+
+    future = thread.run(in_flight())
+    time.sleep(0.1)  # the request is in flight when the loop dies
+
+    def die() -> None:
+        raise SystemExit(3)  # escapes run_forever, as a fatal error in a callback would
+
+    thread._loop.call_soon_threadsafe(die)
+    thread._thread.join(timeout=5)
+    assert not thread.alive
+    assert isinstance(thread.error, SystemExit)  # check_health names it; the caller is not told "cancelled"
+    assert not future.cancelled()
