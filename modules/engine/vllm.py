@@ -7,7 +7,9 @@ child process, on its own cores or GPUs (``modules/engine/placement.py``).
 
 Failure contract: if the engine dies or its loop raises, every pending future fails, and
 ``check_health`` raises ``EngineError`` naming the cause; callers that wait use
-``wait_result`` / ``wait_any`` / ``wait_on``, which poll health, so nothing hangs.
+``wait_result`` / ``wait_any`` / ``wait_on``, which poll health, so nothing hangs. At a clean
+``shutdown`` the requests still in flight are cancelled and unwind (their futures resolve as
+cancelled; ``modules/engine/loop_thread.py``).
 
 Smoke-test an engine on a model directory: ``python -m modules.engine artifacts/tiny-qwen-sft``.
 """

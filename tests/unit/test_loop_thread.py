@@ -17,6 +17,15 @@ async def _built() -> None:
     return None
 
 
+async def _stubborn() -> None:
+    """A request that ignores cancellation."""
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            continue
+
+
 def _started(drain_s: float = 5.0) -> LoopThread:
     thread = LoopThread("test-loop", drain_s=drain_s)
     thread.start(_built, timeout_s=10)
@@ -46,14 +55,7 @@ def test_a_request_in_flight_at_stop_is_cancelled_and_unwinds():
 def test_a_task_that_ignores_cancellation_cannot_hang_the_stop():
     thread = _started(drain_s=0.2)
 
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                continue
-
-    thread.run(stubborn())
+    thread.run(_stubborn())
     time.sleep(0.1)
     t0 = time.monotonic()
     thread.stop(timeout_s=5)
@@ -75,14 +77,7 @@ def test_finished_requests_keep_their_results():
 def test_a_second_stop_during_the_drain_still_closes_the_loop():
     thread = _started(drain_s=30)
 
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                continue
-
-    thread.run(stubborn())
+    thread.run(_stubborn())
     time.sleep(0.1)
     thread.stop(timeout_s=0.2)  # the loop stops and starts draining; the join gives up
     assert thread.alive
