@@ -15,32 +15,17 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from modules.engine.gpus import place_gpus
-from modules.launch.cli import launch, startup
-from modules.launch.compose import build  # also registers the resolvers conf/ uses
+import modules.launch.compose  # noqa: F401  registers the resolvers conf/ uses
+from modules.launch.cli import launch
 from modules.launch.multirun import this_job_for_ddp_children
 
 
 def train(cfg: DictConfig) -> float | None:
-    import lightning as L
-    import torch
-
     from modules.launch.guard import guarded_fit
-    from modules.launch.preflight import check_environment
-    from modules.launch.validate import validate
+    from modules.launch.start import build_run
 
-    with startup():  # a bad value here exits 2 with one message naming it (modules/launch/cli.py)
-        place_gpus(cfg)  # on GPUs: which train, which generate (engine.gpu_ids: auto), or a split
-        validate(cfg)  # types and cross-field rules; single-field ones run in the constructors below
-        L.seed_everything(cfg.seed, workers=True)
-        torch.set_num_threads(cfg.torch_threads)
-        # cheap to construct, each validates its arguments; engine and model are built in fit()
-        datamodule = build(cfg.data)
-        module = build(cfg.module)
-        callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
-        loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
-        check_environment(cfg)  # files that must exist, cores / GPUs / memory this machine has
-        trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+    # a bad value exits 2 with one message naming it (modules/launch/cli.py)
+    datamodule, module, trainer = build_run(cfg)
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metric = trainer.callback_metrics.get(cfg.optimized_metric)

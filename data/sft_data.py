@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 from modules.policy.tiny_model import build_char_tokenizer
 
 

@@ -8,7 +8,7 @@ the weights would never change; end-to-end tests swap in this task
 from __future__ import annotations
 
 from data.envs.base import Step
-from data.tasks.calculator import CalculatorEnv
+from data.envs.calculator_env import CalculatorEnv
 from data.tasks.remainder import RemainderTask
 
 

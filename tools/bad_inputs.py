@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def in_process() -> list[dict]:
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
+    from modules.config.errors import ConfigError
     from modules.launch.cli import message
-    from modules.launch.config_errors import ConfigError
     from tests.unit.bad_inputs import BAD, GOOD
     from tests.unit.test_bad_input_table import start_up
 

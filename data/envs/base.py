@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.envs.tools import ToolRunner
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class HttpTool:

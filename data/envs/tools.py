@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class Latency:

@@ -21,8 +21,8 @@ from data.rollout.requests import Pending, RolloutContext, merge_spans
 from data.rollout.rewards import RewardRunner, RewardWorkerError
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.staleness import StalenessBound
+from modules.config.errors import check, check_choice
 from modules.engine.types import Completion, SamplingConfig
-from modules.launch.config_errors import check, check_choice
 
 
 class RewardError(RuntimeError):

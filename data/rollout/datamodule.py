@@ -37,9 +37,9 @@ from data.rollout.experience import Experience, experience_line
 from data.rollout.handoff import InTraining, exp_from_state, shard
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import pickle_task
-from modules.callbacks.checkpoint_rng import python_state, python_state_tuple
+from modules.config.errors import check
 from modules.engine.types import Engine
-from modules.launch.config_errors import check
+from modules.policy.checkpoint_rng import python_state, python_state_tuple
 
 
 class RolloutDataModule(L.LightningDataModule):

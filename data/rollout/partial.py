@@ -33,8 +33,8 @@ from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.staleness import StalenessPolicy
 from data.rollout.streaming import StreamingRollout
+from modules.config.errors import check
 from modules.engine.types import SamplingConfig
-from modules.launch.config_errors import check
 
 # auto's alpha is at most 1 + this: mean staleness about 2 versions, whatever the engine's size.
 AUTO_MAX_EXTRA = 2

@@ -31,7 +31,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 
 # A fresh interpreter re-imports the task's module (and, under ``python train.py``, the main
 # script's imports: torch, lightning) before it can score; that happens once per worker,

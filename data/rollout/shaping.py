@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class InformativeGroups:

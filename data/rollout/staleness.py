@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from data.rollout.experience import Experience
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class StalenessPolicy(ABC):

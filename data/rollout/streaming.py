@@ -36,8 +36,8 @@ from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessBound, StalenessPolicy
 from data.rollout.streaming_state import StreamingCheckpoint
+from modules.config.errors import check, check_choice
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
-from modules.launch.config_errors import check, check_choice
 
 
 @dataclass

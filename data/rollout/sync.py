@@ -16,8 +16,8 @@ from data.rollout.controller import RolloutController
 from data.rollout.experience import Experience
 from data.rollout.scheduling import SCHEDULES, LengthPredictor
 from data.rollout.shaping import InformativeGroups, Overlong
+from modules.config.errors import check_choice
 from modules.engine.types import SamplingConfig
-from modules.launch.config_errors import check_choice
 
 
 class SyncRollout(RolloutController):

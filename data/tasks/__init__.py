@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 @runtime_checkable

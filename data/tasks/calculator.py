@@ -24,6 +24,8 @@ RL has to make calling it the model's first choice: greedy reward rises only if 
 Levels: 0 one digit x one digit (learnable by heart), 1 two x one, 2 two x two.
 
     python -m data.tasks.calculator      # a few rows and demonstrations
+
+The environment (the calculator tool, turns, observations) is ``data/envs/calculator_env.py``.
     python train.py recipe=sft_calculator && python train.py recipe=agent_calculator
 """
 
@@ -36,13 +38,11 @@ from typing import Any
 
 from datasets import Dataset
 
-from data.envs.base import Environment, Step
 from data.tasks import level_weights
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 # (digits of a, digits of b) per level
 LEVELS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 2))
-CALL = re.compile(r"^(\d{1,4})([*+-])(\d{1,4})$")  # what the calculator takes
 ANSWER = re.compile(r"^a(\d*)\.$")
 
 
@@ -120,57 +120,6 @@ def answer(turn: str, shown: str | None) -> str | None:
     if match is None:
         return None
     return match[1] or shown
-
-
-def calculate(expression: str) -> int:
-    """The calculator: ``a*b``, ``a+b`` or ``a-b`` of non-negative integers."""
-    match = CALL.match(expression)
-    if match is None:
-        raise ValueError(f"not a calculation: {expression!r}")
-    a, op, b = int(match[1]), match[2], int(match[3])
-    return a * b if op == "*" else a + b if op == "+" else a - b
-
-
-class CalculatorEnv(Environment):
-    """A turn ``c=`` calls the calculator on the question, ``c<expression>=`` on that
-    expression (observation ``"{result};"``, or ``"error;"`` for a malformed call); any other
-    turn is the final answer, scored 1 or 0 (``"a."`` answers with the result shown).
-    ``http`` (``{batch_size, max_wait_s, timeout_s}``, or null): the calculator runs as a
-    local HTTP server this environment starts, called with request batching
-    (``data/envs/http.py``), as a remote tool would be."""
-
-    def __init__(self, http: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("stop", ("=",))
-        super().__init__(**kwargs)
-        self.server = self.remote = None
-        self.tool: Any = calculate
-        if http is not None:
-            from data.envs.http import HttpTool, serve
-
-            self.server = serve(calculate)
-            self.remote = HttpTool(self.server.url, **dict(http))
-            self.tool = self.remote.call
-
-    def close(self) -> None:
-        super().close()
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-    async def step(self, state: dict, turn: str) -> Step:
-        turn = turn.strip()
-        if turn.endswith("="):
-            expression = turn[1:-1] if turn.startswith("c") else "?"
-            expression = expression or state["row"]["prompt"].rstrip("?")  # "c=": the question
-            if CALL.match(expression) is None:
-                state["shown"] = None  # the display shows the error
-                return Step(observation="error;", info={"valid_call": False, "tool_error": False})
-            result = await self.tools.call(self.tool, expression)
-            state["shown"] = str(result.output) if result.ok else None
-            text = f"{result.output};" if result.ok else "error;"
-            return Step(observation=text, info={"valid_call": True, "tool_error": not result.ok})
-        right = answer(turn, state.get("shown")) == state["row"]["answer"]
-        return Step(reward=float(right), done=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.tasks.verify import math_verify_match
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 EXAMPLES = Path(__file__).with_name("gsm8k_examples.jsonl")
 PROMPT = "Question: {question}\nSolve it step by step and end with '#### <answer>'.\nAnswer:"

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from data.tasks.verify import math_verify_match
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 EXAMPLES = Path(__file__).with_name("math_examples.jsonl")
 SUBJECTS = (

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datasets import Dataset
 
 from data.tasks import level_weights
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 # (min steps, max steps) per difficulty level.
 LEVELS: tuple[tuple[int, int], ...] = ((2, 4), (6, 12), (22, 36))

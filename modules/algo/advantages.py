@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.launch.config_errors import check, check_choice
+from modules.config.errors import check, check_choice
 
 
 def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:

@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from modules.launch.config_errors import check, check_choice
+from modules.config.errors import check, check_choice
 
 
 def _positive(name: str, value: float | None, nullable: bool = True) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class KLRewardPenalty:

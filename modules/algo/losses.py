@@ -47,7 +47,7 @@ from modules.algo.corrections import (
     per_token_advantages,
     ratio_stats,
 )
-from modules.launch.config_errors import check, check_choice
+from modules.config.errors import check, check_choice
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 ANCHORS = ("bypass", "decoupled")

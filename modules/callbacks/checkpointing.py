@@ -86,7 +86,7 @@ class CheckpointOnInterrupt(L.Callback):
     ) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        from modules.launch.guard import EXIT_CTRL_C, EXIT_SIGTERM, ctrl_c_received
+        from modules.callbacks.interrupts import EXIT_CTRL_C, EXIT_SIGTERM, ctrl_c_received
 
         # A Ctrl-C can lose the race to its own echo: the engine core dies of the same SIGINT
         # and the step raises that error instead of KeyboardInterrupt (seen in CI under load).

@@ -53,7 +53,7 @@ import torch
 from modules.algo.corrections import Correction
 from modules.callbacks.drift_score import DriftDetector, DriftReading
 from modules.callbacks.weight_sync import WeightSync
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 from modules.callbacks.weight_sync import WeightSync
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 log = logging.getLogger(__name__)
 

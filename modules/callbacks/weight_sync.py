@@ -76,7 +76,7 @@ class WeightSync(L.Callback):
     def __init__(
         self, verify: bool = True, tolerance: float | None = None, lag: int = 0, engine_dtype: str = "float32"
     ) -> None:
-        from modules.launch.config_errors import check
+        from modules.config.errors import check
 
         check("callbacks.weight_sync.lag", lag, isinstance(lag, int) and lag >= 0, "an int >= 0")
         check(

@@ -30,8 +30,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from modules.launch.config_errors import ConfigError, check
-from modules.launch.schema import target_class
+from modules.config.errors import ConfigError, check
+from modules.config.schema import target_class
 
 ENV = "CUDA_VISIBLE_DEVICES"
 

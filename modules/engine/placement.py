@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from modules.launch.config_errors import check, check_choice
+from modules.config.errors import check, check_choice
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 UNI_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"

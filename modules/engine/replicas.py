@@ -38,12 +38,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from modules.config.errors import check, check_choice
 from modules.engine.loop_thread import CallbackThread
 from modules.engine.placement import CorePinning, parse_cores
 from modules.engine.shm_transfer import prepared
 from modules.engine.types import INFLIGHT_MODES, Engine, EngineError, SamplingConfig
 from modules.engine.waits import HealthCheckedWaits
-from modules.launch.config_errors import check, check_choice
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ def build_engine(
 
 
 # The config's other keys are VLLMEngine's arguments: type-checked against its signature
-# (modules/launch/schema.py).
+# (modules/config/schema.py).
 build_engine.config_schema = "modules.engine.vllm.VLLMEngine"
 
 

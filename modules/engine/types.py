@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 if TYPE_CHECKING:  # this package stays importable without torch (the reaper imports it)
     import torch

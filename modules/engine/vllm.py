@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modules.config.errors import check, check_choice
 from modules.engine import reaper
 from modules.engine.busy import BusyClock
 from modules.engine.gpus import engine_devices, engine_visible_devices
@@ -46,7 +47,6 @@ from modules.engine.types import (
     as_version,
 )
 from modules.engine.waits import HealthCheckedWaits
-from modules.launch.config_errors import check, check_choice
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +151,7 @@ class VLLMEngine(HealthCheckedWaits):
     def start(self) -> VLLMEngine:
         if self._thread is not None:
             return self
-        from modules.policy.hf_policy import is_hub_id
+        from modules.config.resources import is_hub_id
 
         if not is_hub_id(self.model_path) and not Path(self.model_path, "config.json").exists():
             raise EngineError(

@@ -31,7 +31,7 @@ from hydra.errors import (
 )
 from omegaconf.errors import OmegaConfBaseException
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 
 EXIT_CONFIG = 2
 # Raised while composing the config or building its objects: the command is wrong, not the run.

@@ -14,7 +14,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_OUTPUT_DIR = "${hydra:runtime.output_dir}"

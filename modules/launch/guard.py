@@ -35,17 +35,9 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from modules.callbacks.interrupts import CTRL_C_SEEN, EXIT_CTRL_C, EXIT_SIGTERM
+
 log = logging.getLogger(__name__)
-
-EXIT_CTRL_C = 130  # 128 + SIGINT
-EXIT_SIGTERM = 143  # 128 + SIGTERM
-_CTRL_C_SEEN: list[int] = []  # SIGINTs received during the current guarded fit
-
-
-def ctrl_c_received() -> bool:
-    """Whether a Ctrl-C reached this process during the current fit: an error raised after it
-    (the engine core, in the same process group, dying of the same SIGINT first) is its echo."""
-    return bool(_CTRL_C_SEEN)
 
 
 def _record_ctrl_c(received: list[int]) -> Any:
@@ -107,7 +99,7 @@ def _hangup_as_sigterm() -> Any:
 
 @contextmanager
 def guarded_fit(trainer: L.Trainer, datamodule: L.LightningDataModule) -> Iterator[None]:
-    received = _CTRL_C_SEEN
+    received = CTRL_C_SEEN
     received.clear()
     prev = _record_ctrl_c(received)
     shutting_down = threading.Event()

@@ -13,11 +13,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from modules.config.errors import check
+from modules.config.resources import hub_problem, is_hub_id
+from modules.config.schema import nodes, source_field, target_class
 from modules.engine.placement import names_cores, parse_cores
-from modules.launch.config_errors import check
-from modules.launch.resources import hub_problem
-from modules.launch.schema import nodes, source_field, target_class
-from modules.policy.hf_policy import is_hub_id
 
 
 def check_environment(cfg: DictConfig) -> None:

@@ -17,10 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.algo.advantages import GroupAdvantage
 from modules.algo.corrections import NoCorrection
-from modules.launch.budget import check_budget
-from modules.launch.config_errors import check
-from modules.launch.external import check_optimizers, check_trainer
-from modules.launch.schema import builds, check_types, target_class
+from modules.config.budget import check_budget
+from modules.config.errors import check
+from modules.config.external import check_optimizers, check_trainer
+from modules.config.schema import builds, check_types, target_class
 
 log = logging.getLogger(__name__)
 FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)

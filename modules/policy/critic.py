@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from modules.algo.gae import vtrace, whiten
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 class ValueModel(nn.Module):
@@ -99,7 +99,7 @@ class Critic(nn.Module):
     """Holds the value model and the PPO-critic settings (``module.critic``)."""
 
     # inf truncates nothing (V-trace's untruncated return); config: `.inf` in YAML, `inf` on the
-    # command line (module.critic.rho_bar=inf). Other fields must be finite (launch/schema.py).
+    # command line (module.critic.rho_bar=inf). Other fields must be finite (config/schema.py).
     accepts_infinite = ("rho_bar", "c_bar")
 
     def __init__(

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from modules.config.resources import is_hub_id
+
 
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if is_hub_id(path):  # e.g. "Qwen/Qwen2.5-0.5B-Instruct": transformers resolves it
@@ -41,15 +43,6 @@ def build_policy(path: str | Path, gradient_checkpointing: bool = False, lora: A
         policy = lora.wrap(policy)
     policy.train()
     return policy, tokenizer
-
-
-def is_hub_id(path: str | Path) -> bool:
-    """'org/name' that is not a local path: a model to fetch from the hub. Not when 'org' is a
-    local directory: 'artifacts/tiny-qwen-stf' is a typo of a local model, not a hub id."""
-    text = str(path)
-    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
-        return False
-    return not Path(text.split("/")[0]).is_dir()
 
 
 def token_logprobs(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 def tempered_logprobs(

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from modules.launch.config_errors import check
-from modules.launch.schema import builds, target_class
+from modules.config.errors import check
+from modules.config.schema import builds, target_class
 
 ALL_LINEAR = "all-linear"  # peft: every Linear but the output layer
 FIELDS = ("rank", "alpha", "target_modules", "rslora")

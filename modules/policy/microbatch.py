@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 

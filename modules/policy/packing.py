@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 from modules.policy.logits import LogitHead
 
 

@@ -35,8 +35,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from modules.algo.kl_reward import KLRewardPenalty
 from modules.algo.losses import PolicyLoss, batch_counts
-from modules.callbacks.checkpoint_rng import rng_states, set_rng_states
-from modules.launch.config_errors import check
+from modules.config.errors import check
+from modules.policy.checkpoint_rng import rng_states, set_rng_states
 from modules.policy.critic import Critic
 from modules.policy.hf_policy import build_policy, load_policy, named_weights
 from modules.policy.lora import LoRA, adapters_off, check_resume, is_lora

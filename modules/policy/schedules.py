@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 
 def optimizers(params: Iterable[torch.nn.Parameter], optimizer: Callable, scheduler: Callable | None) -> Any:

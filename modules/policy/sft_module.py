@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 from modules.policy.hf_policy import load_policy
 from modules.policy.schedules import optimizers
 from modules.policy.tiny_model import build_tiny_qwen

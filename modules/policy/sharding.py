@@ -42,8 +42,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from modules.launch.config_errors import check
-from modules.launch.schema import builds
+from modules.config.errors import check
+from modules.config.schema import builds
 
 # trainer.strategy strings Lightning would accept but this project cannot run (hint: the config)
 STRATEGY_NAMES = ("auto", "ddp")

@@ -11,7 +11,7 @@ import sys
 import yaml
 from omegaconf import OmegaConf
 
-from modules.launch.schema import check_types
+from modules.config.schema import check_types
 from modules.launch.validate import validate
 from tests.conftest import ROOT
 

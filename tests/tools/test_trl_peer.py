@@ -84,7 +84,8 @@ def test_trl_episodes_follow_the_projects_episode_rules(models):
     reward, and the token budget cutting a turn that runs past it."""
     from transformers import AutoTokenizer
 
-    from data.tasks.calculator import CalculatorEnv, CalculatorTask
+    from data.envs.calculator_env import CalculatorEnv
+    from data.tasks.calculator import CalculatorTask
     from tools.trl_episodes import EpisodeRollout
 
     tok = AutoTokenizer.from_pretrained(models["tied"])
@@ -117,7 +118,8 @@ def test_trl_episodes_truncate_and_cap_turns_as_the_episode_runner(models):
     ``env.max_turn_tokens`` caps each model turn (a capped turn is answered like any other)."""
     from transformers import AutoTokenizer
 
-    from data.tasks.calculator import CalculatorEnv, CalculatorTask
+    from data.envs.calculator_env import CalculatorEnv
+    from data.tasks.calculator import CalculatorTask
     from tools.trl_episodes import EpisodeRollout
 
     class Env(CalculatorEnv):

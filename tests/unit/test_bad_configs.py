@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from modules.config.errors import ConfigError
 from modules.launch.compose import build
-from modules.launch.config_errors import ConfigError
 from modules.launch.validate import validate
 from tests.conftest import compose
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
+from modules.config.errors import ConfigError
 from modules.launch.compose import build
-from modules.launch.config_errors import ConfigError
 from modules.launch.preflight import check_environment
 from modules.launch.validate import validate
 from tests.conftest import compose

@@ -12,31 +12,19 @@ import lightning as L
 import pytest
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from modules.engine.gpus import place_gpus
-from modules.launch.cli import message, startup
-from modules.launch.compose import build
-from modules.launch.config_errors import ConfigError
-from modules.launch.preflight import check_environment
-from modules.launch.validate import validate
+from modules.config.errors import ConfigError
+from modules.launch.cli import message
+from modules.launch.start import build_run
 from tests.conftest import compose
 from tests.unit.bad_inputs import BAD, GOOD
 
 
 def start_up(overrides: list[str], model: str | None = None) -> None:
-    """What train.py does before ``fit``: nothing here builds an engine or loads a model.
-    ``model``: the model path unless the overrides set one (a clean checkout has no
+    """What train.py does before ``fit`` (``build_run``): nothing here builds an engine or loads
+    a model. ``model``: the model path unless the overrides set one (a clean checkout has no
     artifacts/ until `make sft`)."""
-    cfg = compose([f"model.path={model}", *overrides] if model else overrides)
-    with startup():
-        place_gpus(cfg)
-        validate(cfg)
-        build(cfg.data)
-        build(cfg.module)
-        callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
-        loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
-        check_environment(cfg)
-        trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
-        assert isinstance(trainer, L.Trainer)
+    _, _, trainer = build_run(compose([f"model.path={model}", *overrides] if model else overrides))
+    assert isinstance(trainer, L.Trainer)
 
 
 @pytest.mark.parametrize(("kind", "overrides", "field"), BAD, ids=[" ".join(o) for _, o, _ in BAD])

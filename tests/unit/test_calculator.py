@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from data.tasks.calculator import LEVELS, CalculatorEnv, CalculatorTask, calculate
+from data.envs.calculator_env import CalculatorEnv, calculate
+from data.tasks.calculator import LEVELS, CalculatorTask
 from modules.policy.tiny_model import ALPHABET
 
 

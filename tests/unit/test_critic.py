@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from modules.algo.losses import PolicyLoss, ppo_clip
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 from modules.policy.critic import Critic, explained_variance, terminal_rewards, value_loss
 
 

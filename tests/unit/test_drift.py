@@ -14,7 +14,7 @@ from modules.algo.losses import PolicyLoss
 from modules.callbacks.drift_controller import DriftCallback, scale_learning_rate
 from modules.callbacks.drift_score import DriftDetector, Signal
 from modules.callbacks.weight_sync import WeightSync
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 
 # far over the default KL ceiling (2.0 nats/token): an alarm from the first step
 FAR_KL = 20.0

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from modules.config.errors import ConfigError
 from modules.engine.placement import executor_args, uni_process_pinning
 from modules.engine.vllm import VLLMEngine
-from modules.launch.config_errors import ConfigError
 
 
 def test_executor_args_name_vllms_backend():

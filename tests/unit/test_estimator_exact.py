@@ -312,8 +312,8 @@ def test_kl_in_the_reward_shapes_rewards_and_recomputes_group_advantages():
 
 
 def test_kl_in_the_reward_needs_a_reference_and_group_advantages():
+    from modules.config.errors import ConfigError
     from modules.launch.compose import build
-    from modules.launch.config_errors import ConfigError
     from tests.conftest import compose
 
     with pytest.raises(ConfigError, match="module.ref_model_path"):

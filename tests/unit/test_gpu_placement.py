@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from modules.config.errors import ConfigError
 from modules.engine.gpus import (
     batch_splitter,
     engine_devices,
@@ -15,7 +16,6 @@ from modules.engine.gpus import (
     suggest_split,
     visible_gpus,
 )
-from modules.launch.config_errors import ConfigError
 from tests.conftest import compose
 
 GPU = ["trainer=gpu", "engine=vllm_gpu"]

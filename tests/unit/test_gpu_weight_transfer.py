@@ -15,10 +15,10 @@ import inspect
 import pytest
 import torch
 
+from modules.config.errors import ConfigError
 from modules.engine import EngineError
 from modules.engine.vllm import VLLMEngine
 from modules.launch.compose import build
-from modules.launch.config_errors import ConfigError
 from modules.launch.validate import validate
 from tests.conftest import compose
 

@@ -88,7 +88,7 @@ def test_an_error_that_outraces_the_ctrl_c_exits_130_and_still_checkpoints(tmp_p
     import signal
 
     from modules.callbacks.checkpointing import CheckpointOnInterrupt
-    from modules.launch.guard import ctrl_c_received
+    from modules.callbacks.interrupts import ctrl_c_received
 
     saved: list = []
     trainer = checkpointing_trainer(saved)

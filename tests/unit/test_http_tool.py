@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from data.envs.calculator_env import calculate
 from data.envs.http import HttpTool, serve
 from data.envs.tools import ToolRunner
-from data.tasks.calculator import calculate
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_bad_settings_name_the_field():
 
 
 def test_the_calculator_environment_over_http():
-    from data.tasks.calculator import CalculatorEnv
+    from data.envs.calculator_env import CalculatorEnv
 
     env = CalculatorEnv(http={"batch_size": 8})
     row = {"id": 0, "prompt": "47*38?", "answer": "1786", "level": 2}

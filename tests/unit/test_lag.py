@@ -158,7 +158,7 @@ def test_train_end_flushes_the_current_weights(setup):
 
 
 def test_lag_is_refused_outside_sync_rollout_and_when_negative():
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
     from modules.launch.validate import validate
     from tests.conftest import compose
 
@@ -170,7 +170,7 @@ def test_lag_is_refused_outside_sync_rollout_and_when_negative():
 
 
 def test_verify_tolerance_follows_the_engine_dtype():
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     assert WeightSync(engine_dtype="float32").tolerance == 1e-3
     assert WeightSync(engine_dtype="bfloat16").tolerance > 0.1

@@ -95,13 +95,11 @@ def test_data_path_reads_one_way():
 
 
 def test_entry_point_and_files_stay_small():
+    """train.py stays short, and no file outside tests/ (library, tools, lab) passes 400 lines."""
     # 65: the training stack's imports sit inside train() (spawned processes re-import the file)
     assert len((ROOT / "train.py").read_text().splitlines()) <= 65
     big = {
-        str(p.relative_to(ROOT)): n
-        for pkg in ("modules", "data")
-        for p in (ROOT / pkg).rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+        name: n for name, path in project_files().items() if (n := len(path.read_text().splitlines())) > 400
     }
     assert not big, big
 
@@ -138,15 +136,119 @@ def test_no_two_library_modules_share_a_file_name():
     assert not {n: ps for n, ps in names.items() if len(ps) > 1}
 
 
+# Import order inside the library, bottom first: a module imports only from a lower layer or
+# its own package. config/ holds what every layer imports (errors, typed schema, budgets,
+# external ranges, resources); launch/ (compose, cross-field validation, preflight, guard,
+# multirun) sits on top of modules/; data/ sits on modules/, tasks below environments below the
+# rollout that drives both.
+LAYERS = {
+    "modules.config": 0,
+    "modules.algo": 1,
+    "modules.engine": 1,
+    "modules.policy": 2,
+    "modules.callbacks": 3,
+    "modules.launch": 4,
+    "data.tasks": 5,
+    "data.envs": 6,
+    "data.sft_data": 7,
+    "data.rollout": 7,
+}
+
+
+def layer_of(name: str) -> str | None:
+    return next((pkg for pkg in LAYERS if name == pkg or name.startswith(pkg + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a library module imports from a higher layer or from a
+    sibling package of the same layer."""
+    out = []
+    for name, deps in graph.items():
+        own = layer_of(name)
+        if own is None:
+            continue
+        for dep in deps:
+            other = layer_of(dep)
+            if other is not None and other != own and LAYERS[other] >= LAYERS[own]:
+                out.append((name, dep))
+    return sorted(out)
+
+
+def test_layers_cover_the_library():
+    names = [n for n in project_files() if n.startswith(("modules.", "data."))]
+    assert not [n for n in names if layer_of(n) is None]
+    assert {p.name for p in (ROOT / "modules").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        pkg.split(".")[1] for pkg in LAYERS if pkg.startswith("modules.")
+    }
+
+
+def test_upward_import_finder_finds_one():
+    graph = {"modules.config.errors": {"modules.launch.validate"}, "data.tasks.x": {"modules.config.errors"}}
+    assert upward_imports(graph) == [("modules.config.errors", "modules.launch.validate")]
+    assert upward_imports({"modules.algo.a": {"modules.engine.b"}}) == [
+        ("modules.algo.a", "modules.engine.b")
+    ]
+
+
+def test_no_upward_import_inside_modules_or_data():
+    assert upward_imports(import_graph()) == []
+
+
+def test_tasks_do_not_import_envs():
+    """A task is rows and a reward; the environment that runs episodes on it imports the task."""
+    graph = import_graph()
+    assert not {
+        n: d
+        for n, d in graph.items()
+        if n.startswith("data.tasks") and any(x.startswith("data.envs") for x in d)
+    }
+
+
+def test_tools_and_lab_never_import_tests():
+    graph = import_graph()
+    for name, path in project_files().items():
+        if name.startswith(("tools", "lab")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                assert not [m for m in mods if m.split(".")[0] == "tests"], (name, mods)
+    assert graph  # the graph was read
+
+
+def config_targets() -> dict[str, set[str]]:
+    """Config group (a folder of conf/) -> the ``_target_`` classes its YAML files name."""
+    import yaml
+
+    def walk(node: object) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+            return own + [t for v in node.values() for t in walk(v)]
+        if isinstance(node, list):
+            return [t for v in node for t in walk(v)]
+        return []
+
+    groups: dict[str, set[str]] = {}
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
+        for path in group.rglob("*.yaml"):
+            groups.setdefault(group.name, set()).update(walk(yaml.safe_load(path.read_text()) or {}))
+    return groups
+
+
 def test_library_packages_mirror_the_config_groups():
-    """modules/ and data/ are sub-packages named after what a user configures; no loose files."""
+    """Every package of modules/ and data/ is what some config group of conf/ builds (config/
+    and launch/ excepted: they check and launch, nothing configures them), every library
+    ``_target_`` of conf/ names a class that is in the library, and modules/ has no loose files."""
     loose = [p.name for p in (ROOT / "modules").glob("*.py") if p.name != "__init__.py"]
     assert not loose, loose
-    assert {p.name for p in (ROOT / "modules").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
-        "algo",
-        "callbacks",
-        "engine",
-        "launch",
-        "policy",
-    }
-    assert {"rollout", "tasks"} <= {p.name for p in (ROOT / "data").iterdir() if p.is_dir()}
+    files = project_files()
+    targets = {t for ts in config_targets().values() for t in ts if t.startswith(("modules.", "data."))}
+    assert targets
+    assert not [t for t in targets if t.rsplit(".", 1)[0] not in files], "a _target_ names a missing module"
+    homes = {layer_of(t) for t in targets}
+    packages = {pkg for pkg in LAYERS if (ROOT / pkg.replace(".", "/")).is_dir()}
+    assert packages - {"modules.config", "modules.launch"} <= homes, packages - homes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 from modules.policy.logits import LogitHead
 from modules.policy.packing import PackedForward, PaddedForward
 

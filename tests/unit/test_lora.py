@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 from modules.launch.validate import validate
 from modules.policy.hf_policy import build_policy, named_weights, token_logprobs
 from modules.policy.lora import LoRA, adapters_off, is_lora, merged_weights

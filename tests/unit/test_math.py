@@ -23,7 +23,7 @@ from data.tasks.math import (
     parse_level,
 )
 from data.tasks.verify import math_verify_match
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 from modules.launch.validate import validate
 from tests.conftest import compose
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 from modules.policy.microbatch import MicroBatched
 from modules.policy.packing import PackedForward
 from tests.unit.test_packing import build_loss, loss_and_grads, model64, ragged_batch  # noqa: F401

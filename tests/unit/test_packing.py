@@ -223,7 +223,7 @@ def test_pack_plan_places_every_token_once_in_bounded_rows():
 def test_a_model_that_ignores_packed_position_ids_is_refused(model64):
     """Packing relies on the model building its mask from position ids; one that does not
     (here: a wrapper that drops them) would silently attend across sequences."""
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     class DropsPositions(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module) -> None:
@@ -260,7 +260,7 @@ def test_empty_batches_give_empty_logprobs(model64):
 
 
 def test_bad_row_settings_name_the_field():
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="module.forward.row_tokens"):
         PackedForward(row_tokens=1)

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from modules.config.errors import ConfigError
 from modules.engine import EngineError, SamplingConfig
 from modules.engine.replicas import ReplicatedEngine, build_engine, replica_cores, split_even
-from modules.launch.config_errors import ConfigError
 from modules.launch.preflight import tensor_parallel_problem
 
 

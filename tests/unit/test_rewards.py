@@ -15,9 +15,9 @@ from data.rollout.rewards import (
 )
 from data.rollout.sync import SyncRollout
 from modules.algo.advantages import GroupAdvantage
+from modules.config.errors import ConfigError
 from modules.engine import SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine
-from modules.launch.config_errors import ConfigError
 from tests.helpers import ScriptedRewardTask, UnpicklableTask
 
 TIMEOUT_S = 0.5

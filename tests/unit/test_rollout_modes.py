@@ -325,7 +325,7 @@ def test_running_baseline_lets_single_responses_flow_before_their_group(scope):
 
 
 def test_running_baseline_is_rejected_with_admission_control():
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="algo.advantage"):
         bind(
@@ -382,7 +382,7 @@ def test_regenerate_without_waiting_regenerates_a_too_long_prompt_again():
 
 
 def test_regenerate_refuses_a_running_baseline():
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="regenerate"):
         bind(
@@ -395,7 +395,7 @@ def test_regenerate_refuses_a_running_baseline():
 
 def test_regenerate_refuses_a_running_baseline_even_while_unbounded():
     """An unbounded K is finite later (the drift controller lowers it): refused at bind anyway."""
-    from modules.launch.config_errors import ConfigError
+    from modules.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="regenerate"):
         bind(

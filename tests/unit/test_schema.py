@@ -1,4 +1,4 @@
-"""Config types read from the code the config builds (``modules/launch/schema.py``).
+"""Config types read from the code the config builds (``modules/config/schema.py``).
 
 Hand cases of the type matcher, the field a message names (the one a user sets, through an
 interpolation), a constructor argument added later being checked without any list to edit,
@@ -14,8 +14,8 @@ from typing import Literal
 import pytest
 from omegaconf import OmegaConf
 
-from modules.launch.config_errors import ConfigError
-from modules.launch.schema import builds, check_types, matches, target_class
+from modules.config.errors import ConfigError
+from modules.config.schema import builds, check_types, matches, target_class
 from tests.conftest import ROOT, compose
 
 

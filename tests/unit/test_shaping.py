@@ -14,9 +14,9 @@ from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.streaming import StreamingRollout
 from data.rollout.sync import SyncRollout
 from modules.algo.advantages import GroupAdvantage, RunningBaseline
+from modules.config.errors import ConfigError
 from modules.engine import SamplingConfig
 from modules.engine.sim import CharTokenizer, SimEngine, SimTask
-from modules.launch.config_errors import ConfigError
 
 G = 2
 

@@ -26,8 +26,8 @@ from tests.conftest import compose
     ],
 )
 def test_bad_sharding_configs_fail_at_start_up(overrides, field):
+    from modules.config.errors import ConfigError
     from modules.launch.compose import build
-    from modules.launch.config_errors import ConfigError
     from modules.launch.validate import validate
 
     cfg = compose(overrides)

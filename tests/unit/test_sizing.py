@@ -8,10 +8,10 @@ import math
 import pytest
 
 from data.rollout.sizing import Sizing
+from modules.config.errors import ConfigError
 from modules.engine.sim import SimEngine
 from modules.engine.types import SamplingConfig
 from modules.launch.compose import build
-from modules.launch.config_errors import ConfigError
 from tests.conftest import compose
 
 

@@ -19,7 +19,7 @@ from data.rollout.staleness import (
     Throttle,
     trainable_groups,
 )
-from modules.launch.config_errors import ConfigError
+from modules.config.errors import ConfigError
 
 
 def group(n: int = 2) -> list[Experience]:

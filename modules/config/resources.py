@@ -53,3 +53,12 @@ def hub_problem(repo_id: str, kind: str) -> str | None:
         return None
     why = "HF_HUB_OFFLINE is set" if hf_offline() else f"{HUB_HOST} is unreachable"
     return f"not in the local Hugging Face cache and {why}"
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """'org/name' that is not a local path: a model to fetch from the hub. Not when 'org' is a
+    local directory: 'artifacts/tiny-qwen-stf' is a typo of a local model, not a hub id."""
+    text = str(path)
+    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return False
+    return not Path(text.split("/")[0]).is_dir()

@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from modules.launch.config_errors import ConfigError, check
-from modules.launch.schema import nodes, plain, target_class
+from modules.config.errors import ConfigError, check
+from modules.config.schema import nodes, plain, target_class
 
 
 def check_optimizers(cfg: DictConfig) -> None:

@@ -17,7 +17,7 @@ import math
 
 from omegaconf import DictConfig
 
-from modules.launch.config_errors import check
+from modules.config.errors import check
 
 BYTES_PER_TOKEN = 100
 BYTES_PER_ROW = 1024

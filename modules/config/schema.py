@@ -28,7 +28,7 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from modules.launch.config_errors import ConfigError, check
+from modules.config.errors import ConfigError, check
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
