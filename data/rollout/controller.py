@@ -115,21 +115,6 @@ class RolloutController(HandOff):
         """Policy versions a trained group may lag (None: unbounded, or the sync barrier)."""
         return None if self.bound is None else self.bound.max_staleness
 
-    def set_max_staleness(self, value: int | None) -> None:
-        """Move the staleness bound at run time (``modules.callbacks.drift_controller``)."""
-        if self.bound is not None:
-            self.bound.max_staleness = value
-
-    @property
-    def admission_control(self) -> bool:
-        """The trainer waits for groups that are due (``rollout/staleness=admit``)."""
-        return self.bound is not None and self.bound.waits_for_due
-
-    @property
-    def counts_versions(self) -> bool:
-        """Group starts are bounded by batches per version (``admit``, ``throttle``)."""
-        return self.bound is not None and self.bound.counts_versions
-
     @property
     def batches_per_version(self) -> int:
         """Rollout batches per weight sync (``data.sync_every``)."""

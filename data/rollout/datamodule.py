@@ -83,12 +83,8 @@ class RolloutDataModule(L.LightningDataModule):
         check(
             "data.sync_every_s", sync_every_s, sync_every_s is None or sync_every_s > 0, "null or a float > 0"
         )
-        check(
-            "data.sync_every_s",
-            sync_every_s,
-            sync_every_s is None or not rollout.counts_versions,
-            "null with rollout/staleness=admit, throttle or regenerate (they count batches per version)",
-        )
+        if rollout.bound is not None:
+            rollout.bound.check_sync_every_s(sync_every_s)
         rollout.check_advantage(advantage)
         rollout.configure_rewards(reward_errors, reward_timeout_s)
         if reward_timeout_s is not None:
@@ -309,8 +305,9 @@ class RolloutDataModule(L.LightningDataModule):
         return math.inf if k is None else k
 
     def set_staleness_bound(self, value: int | None) -> None:
-        with self.rollout.lock:
-            self.rollout.set_max_staleness(value)
+        if self.rollout.bound is not None:  # sync: nothing is stale, no bound to move
+            with self.rollout.lock:
+                self.rollout.bound.set_max_staleness(value)
 
     def engine_stats(self) -> dict[str, float]:
         """Engine-side metrics since it started ({} where this rank has no engine)."""

@@ -106,12 +106,11 @@ class PartialRollout(StreamingRollout):
         self.max_inflight = self.buffer_capacity = self.groups_per_iteration(ctx.engine.concurrency)
         super().bind(ctx)
 
-    def set_max_staleness(self, value: int | None) -> None:
+    def _resize(self) -> None:
         """A new bound (``modules.callbacks.drift_controller``) also resizes auto's over-provisioning."""
-        self.bound.max_staleness = value
         if self.ctx is not None:
             self.max_inflight = self.buffer_capacity = self.groups_per_iteration(self.ctx.engine.concurrency)
-        super().set_max_staleness(value)
+        super()._resize()
 
     def check_advantage(self, advantage: object) -> None:
         # Iterations count whole groups: responses are never released one by one here.

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.rollout.experience import Experience
-from data.rollout.staleness import StalenessBound
 
 
 @dataclass
@@ -46,7 +45,7 @@ class BatchView:
     units: int  # buffer entries per batch: P groups (or P x G single responses)
     issued_levels: Counter  # samples issued per difficulty level so far
     prompts_per_step: int
-    bound: StalenessBound  # K, the batches taken at this version, the due-group rule
+    bound: Any  # staleness.StalenessBound: K, the batches taken at this version, the due rule
 
 
 class BatchSelection(ABC):

@@ -34,36 +34,97 @@ one small class per policy, selected by ``_target_`` (``rollout/staleness=<name>
   the bound first, and a prompt already regenerated ``max_regenerations`` times is waited for
   when due (a barrier on that group alone), so a prompt too long for the bound is still
   trained, within it.
+
+Each policy owns its decisions: may a group start (``may_start``), the batch rule
+(``selection``), what leaves untrained before a batch (``retire``, carried out by
+``retirement.py``), does the trainer wait (``waits``), what the batch takes first (``first``),
+how a group past K is trained (``apply``). Controllers branch on no policy; K moves at run time
+in one place, ``StalenessBound.set_max_staleness``, which tells the controller to resize.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 from data.rollout.experience import Experience
+from data.rollout.retirement import Retirement
+from data.rollout.selection import Admission, BatchSelection, Fifo, Ready
 from modules.config.errors import check
 
 
+def recompute_needs_bypass_anchor(cfg: Any) -> None:
+    """Cross-field rule of ``Recompute``: it re-anchors a stale group's ratio at the current
+    policy, which the decoupled anchor already does for every sample."""
+    allowed = "drop, downweight, admit, throttle or regenerate with algo.loss.anchor=decoupled (decoupled "
+    allowed += "PPO already anchors every sample at the current policy: Recompute would change nothing)"
+    check("rollout.staleness", "Recompute", cfg.algo.loss.get("anchor") != "decoupled", allowed)
+
+
 class StalenessPolicy(ABC):
-    admission_control = False  # the trainer waits for groups that are due (Admit)
-    throttles = False  # no group starts that could not be trained within K versions
-    drops = False
-    regenerates = False  # a group past the bound is generated again from its prompt
-    # re-anchoring the ratio at the current policy means nothing under the decoupled anchor
-    needs_bypass_anchor = False
+    """What happens to groups against the bound K. The defaults: every group may start, the
+    configured batch rule, nothing retired or waited for, and a group past K goes to ``apply``."""
+
+    # Rules relating this policy to other config groups (``modules/launch/validate.py`` runs them).
+    cross_field_rules: ClassVar[tuple[Callable[[Any], None], ...]] = ()
 
     @abstractmethod
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         """``excess`` = staleness - max_staleness (> 0). Return the group to train, or None."""
 
+    def holds_bound(self) -> bool:
+        """No group is ever trained past a finite bound."""
+        return False
+
+    def may_start(self, bound: StalenessBound, outstanding: float, version: int) -> bool:
+        return True
+
+    def counts_versions(self) -> bool:
+        """Group starts are counted against batches per policy version."""
+        return False
+
+    def selection(self, configured: BatchSelection | None) -> BatchSelection:
+        return configured or Fifo()
+
+    def check_advantage(self, advantage: Any) -> None:
+        """Raise ``ConfigError`` if this policy cannot use ``advantage`` (start-up check)."""
+        return None  # every estimator: only admit and regenerate count whole groups
+
+    def discards_past_bound(self) -> bool:
+        """A group past the bound leaves untrained (dropped or regenerated) before the batch."""
+        return False
+
+    def retire(self, bound: StalenessBound, ctl: Retirement, version: int) -> None:
+        """Take out what may no longer be trained, before a batch is chosen."""
+        return None  # nothing: a group past the bound goes to ``apply``
+
+    def waits(self, bound: StalenessBound, ctl: Retirement, version: int) -> bool:
+        """The trainer waits for a group still generating rather than take a batch now."""
+        return False
+
+    def first(self, bound: StalenessBound, ctl: Retirement, chosen: list[Ready], version: int) -> list[Ready]:
+        """The batch, with the groups this policy must train now put in first."""
+        return chosen
+
 
 class Drop(StalenessPolicy):
-    drops = True
-
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         return None
+
+    def holds_bound(self) -> bool:
+        return True
+
+    def discards_past_bound(self) -> bool:
+        return True
+
+    def retire(self, bound: StalenessBound, ctl: Retirement, version: int) -> None:
+        """Discard a buffered group past the bound; with ``rollout.cancel_doomed``, cancel a
+        generating one it would discard on arrival."""
+        if ctl.cancel_doomed:
+            ctl.drop_generating({gid for gid, _, start in ctl.generating() if bound.doomed(version, start)})
+        for r in [r for r in ctl.buffered() if bound.too_stale(version, r.start_version)]:
+            ctl.drop_buffered(r)
 
 
 class Downweight(StalenessPolicy):
@@ -78,7 +139,7 @@ class Downweight(StalenessPolicy):
 
 
 class Recompute(StalenessPolicy):
-    needs_bypass_anchor = True
+    cross_field_rules = (recompute_needs_bypass_anchor,)
 
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         for e in group:
@@ -86,26 +147,54 @@ class Recompute(StalenessPolicy):
         return group
 
 
-class Admit(StalenessPolicy):
-    admission_control = True
-    throttles = True
+class Throttled(StalenessPolicy):
+    """The issue side of admission control: a group starts only while what is outstanding could
+    be trained within K versions (``StalenessBound.may_start``)."""
+
+    def may_start(self, bound: StalenessBound, outstanding: float, version: int) -> bool:
+        k = bound.max_staleness
+        if k is None:
+            return True
+        slots = (k + 1) * bound.batches_per_version - bound.taken(version)
+        return outstanding < slots * bound.prompts_per_step
+
+    def counts_versions(self) -> bool:
+        return True
+
+
+def refuse_per_response(advantage: Any, name: str) -> None:
+    allowed = f"a group-wise estimator (algo/advantage=group) with rollout/staleness={name} (it counts "
+    allowed += "and regenerates whole groups)"
+    check("algo.advantage", type(advantage).__name__, not advantage.per_response, allowed)
+
+
+class Admit(Throttled):
+    """Strict admission control: the batch rule (``selection.Admission``) takes a batch only
+    when every outstanding group stays trainable within K, so nothing is ever past it."""
 
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         # Cannot happen when the controller enforces admission; keep the data if it does.
         return group
 
+    def holds_bound(self) -> bool:
+        return True
 
-class Throttle(StalenessPolicy):
-    throttles = True
+    def selection(self, configured: BatchSelection | None) -> BatchSelection:
+        ok = configured is None or isinstance(configured, Fifo)
+        allowed = "fifo with rollout.staleness=Admit (admission control chooses the batch itself)"
+        check("rollout.selection", type(configured).__name__, ok, allowed)
+        return Admission()
 
+    def check_advantage(self, advantage: Any) -> None:
+        refuse_per_response(advantage, "admit")
+
+
+class Throttle(Throttled):
     def apply(self, group: list[Experience], excess: int) -> list[Experience] | None:
         return group  # trained at its staleness; the correction sees it
 
 
-class Regenerate(StalenessPolicy):
-    throttles = True
-    regenerates = True
-
+class Regenerate(Throttled):
     def __init__(self, max_regenerations: int = 1) -> None:
         check(
             "rollout.staleness.max_regenerations",
@@ -122,6 +211,51 @@ class Regenerate(StalenessPolicy):
             "a group past rollout.max_staleness reached the batch under Regenerate: the "
             "controller regenerates such groups before it chooses a batch"
         )
+
+    def holds_bound(self) -> bool:
+        return True
+
+    def discards_past_bound(self) -> bool:
+        return True
+
+    def check_advantage(self, advantage: Any) -> None:
+        refuse_per_response(advantage, "regenerate")
+
+    def protected(self, ctl: Retirement, row: dict) -> bool:
+        """Regenerated ``max_regenerations`` times already: waited for, not regenerated."""
+        return ctl.regenerations(row) >= self.max_regenerations
+
+    def retire(self, bound: StalenessBound, ctl: Retirement, version: int) -> None:
+        """Cancel the generating groups past the bound on arrival and regenerate their prompts,
+        and regenerate the buffered ones past it."""
+        ctl.regenerate_generating({gid for gid, _, start in ctl.generating() if bound.doomed(version, start)})
+        for r in [r for r in ctl.buffered() if bound.too_stale(version, r.start_version)]:
+            ctl.regenerate_buffered(r)
+
+    def waits(self, bound: StalenessBound, ctl: Retirement, version: int) -> bool:
+        """A protected group still generating is due (the batch taken now must hold it) and the
+        batch has a place for it. More protected groups due at once than a batch holds (rare:
+        each was regenerated already) are regenerated again rather than waited for."""
+        due_buffered = sum(
+            self.protected(ctl, ctl.row_of(r)) and bound.due(version, r.start_version) for r in ctl.buffered()
+        )
+        if due_buffered >= ctl.batch_units:
+            return False
+        return any(
+            self.protected(ctl, row) and bound.due(version, start) for _, row, start in ctl.generating()
+        )
+
+    def first(self, bound: StalenessBound, ctl: Retirement, chosen: list[Ready], version: int) -> list[Ready]:
+        """Every buffered group that must be in this batch to stay within the bound is ranked
+        (protected first, then oldest); the first of them take the batch's places and the
+        selection rule's other picks fill the rest (so under ``stratified`` a due group may take
+        another level's place: the bound comes first)."""
+        due = [r for r in ctl.buffered() if bound.due(version, r.start_version)]
+        if not due:
+            return chosen
+        due.sort(key=lambda r: (not self.protected(ctl, ctl.row_of(r)), r.start_version, r.completed_at))
+        due = due[: len(chosen)]
+        return due + [r for r in chosen if r not in due][: len(chosen) - len(due)]
 
 
 def trainable_groups(
@@ -154,49 +288,39 @@ class StalenessBound:
         prompts_per_step: int,
         batches_per_version: int = 1,
     ) -> None:
-        check(
-            "rollout.max_staleness",
-            max_staleness,
-            max_staleness is None
-            or (
-                isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0
-            ),
-            "null (unbounded) or an int >= 0 (policy versions)",
-        )
+        self._check(max_staleness)
         self.max_staleness = max_staleness
+        self._listeners: list[Callable[[], None]] = []
         self.policy = policy
         self.prompts_per_step = prompts_per_step
         self.batches_per_version = batches_per_version
         self.taken_at = -1  # version at which the last batch was taken
         self.taken_count = 0  # batches taken at that version
 
-    # ------------------------------------------------------------------ what the policy is
-    @property
-    def waits_for_due(self) -> bool:
-        """The trainer waits for groups that are due (strict admission control, ``admit``)."""
-        return self.policy.admission_control
-
-    @property
-    def counts_versions(self) -> bool:
-        """The policy counts batches per policy version (``throttle``, ``admit``), bounded or not."""
-        return self.policy.throttles
-
-    @property
-    def throttles(self) -> bool:
-        return self.policy.throttles and self.max_staleness is not None
-
-    @property
-    def drops(self) -> bool:
-        return self.policy.drops and self.max_staleness is not None
-
-    @property
-    def regenerates(self) -> bool:
-        return self.policy.regenerates and self.max_staleness is not None
-
     @property
     def holds(self) -> bool:
         """No group is ever trained past the bound (``drop``, ``admit``, ``regenerate``)."""
-        return self.max_staleness is not None and (self.drops or self.waits_for_due or self.regenerates)
+        return self.max_staleness is not None and self.policy.holds_bound()
+
+    def set_max_staleness(self, value: int | None) -> None:
+        """The one way to move K at run time (``modules.callbacks.drift_controller``): the
+        controller that listens (``on_change``) resizes what may be outstanding."""
+        self._check(value)
+        self.max_staleness = value
+        for listener in self._listeners:
+            listener()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def check_sync_every_s(self, value: float | None) -> None:
+        allowed = "null with rollout/staleness=admit, throttle or regenerate (they count batches per version)"
+        check("data.sync_every_s", value, value is None or not self.policy.counts_versions(), allowed)
+
+    @staticmethod
+    def _check(k: int | None) -> None:
+        ok = k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+        check("rollout.max_staleness", k, ok, "null (unbounded) or an int >= 0 (policy versions)")
 
     # ------------------------------------------------------------------ counting versions
     def taken(self, version: int) -> int:
@@ -220,20 +344,19 @@ class StalenessBound:
     def may_start(self, outstanding: float, version: int) -> bool:
         """A group started now (version v) must be trained by v + K: at most
         ``((K + 1) x batches_per_version - taken) x P`` groups may be outstanding."""
-        if not self.throttles:
-            return True
-        slots = (self.max_staleness + 1) * self.batches_per_version - self.taken(version)
-        return outstanding < slots * self.prompts_per_step
+        return self.policy.may_start(self, outstanding, version)
 
     def too_stale(self, version: int, start_version: int) -> bool:
         """A dropping (regenerating) policy discards (regenerates) a buffered group past the bound."""
-        return (self.drops or self.regenerates) and self.excess(version, start_version) > 0
+        return self.policy.discards_past_bound() and self.excess(version, start_version) > 0
 
     def doomed(self, version: int, start_version: int) -> bool:
         """A group still generating that a dropping (regenerating) policy will discard
         (regenerate) on arrival: its submission is more than K + 1 versions old (a request
         starts at or after it)."""
-        return (self.drops or self.regenerates) and version - start_version > self.max_staleness + 1
+        if self.max_staleness is None or not self.policy.discards_past_bound():
+            return False
+        return version - start_version > self.max_staleness + 1
 
     def due(self, version: int, start_version: int) -> bool:
         """A group that must be in the batch taken now to stay within the bound: this batch is
@@ -246,9 +369,11 @@ class StalenessBound:
         """The group's experiences to train (weighted or flagged by the policy past the bound),
         or None when the policy drops it."""
         excess = self.excess(version, start_version)
-        if excess == 0 or self.waits_for_due:
-            return exps
-        return self.policy.apply(exps, excess)
+        return exps if excess == 0 else self.policy.apply(exps, excess)
+
+    def over_bound(self, version: int, start_version: int) -> bool:
+        """A group taken now is trained past the bound (counted in ``rollout/over_bound``)."""
+        return self.excess(version, start_version) > 0 and not self.holds
 
     def leaves_room(self, left: Iterable[int], version: int) -> bool:
         """Admission control: after this batch, can every group still outstanding (start

@@ -31,7 +31,7 @@ from data.rollout.bias import reweight_by_level
 from data.rollout.controller import Pending, RolloutContext, RolloutController
 from data.rollout.experience import Experience
 from data.rollout.retirement import Retirement
-from data.rollout.selection import Admission, BatchSelection, BatchView, Fifo, Ready
+from data.rollout.selection import BatchSelection, BatchView, Ready
 from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessBound, StalenessPolicy
@@ -98,14 +98,8 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         self.inflight = inflight
         check("rollout.wait_timeout_s", wait_timeout_s, wait_timeout_s > 0, "a float > 0 (seconds)")
         self.wait_timeout_s = wait_timeout_s
-        if self.admission_control:
-            check(
-                "rollout.selection",
-                type(selection).__name__,
-                selection is None or isinstance(selection, Fifo),
-                "fifo with rollout.staleness=Admit (admission control chooses the batch itself)",
-            )
-        self.selection = Admission() if self.admission_control else selection or Fifo()
+        self.selection = self.bound.policy.selection(selection)  # admit: its own rule
+        self.bound.on_change(self._resize)
         # Buffer entries per group: 1 (whole groups), or G when a running-baseline advantage
         # releases responses one by one (set in bind, from the advantage).
         self._units_per_group = 1
@@ -139,13 +133,7 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         self._handed_regenerations: dict[int, int] = {}  # those of the batch handed out last
 
     def check_advantage(self, advantage: Any) -> None:
-        check(
-            "algo.advantage",
-            type(advantage).__name__,
-            not (advantage.per_response and (self.admission_control or self.bound.policy.regenerates)),
-            "a group-wise estimator (algo/advantage=group) with rollout/staleness=admit or "
-            "regenerate (they count and regenerate whole groups)",
-        )
+        self.bound.policy.check_advantage(advantage)
         check(
             "algo.advantage",
             type(advantage).__name__,
@@ -174,9 +162,9 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         generating = sum(self.group_size - len(g.exps) for g in self._groups.values())
         return (generating + len(self._buffer)) / self.group_size
 
-    def set_max_staleness(self, value: int | None) -> None:
-        """A new bound resizes what may be outstanding (``P * (K + 1)`` of it is the bound's)."""
-        super().set_max_staleness(value)
+    def _resize(self) -> None:
+        """A new bound (``StalenessBound.set_max_staleness``) resizes what may be outstanding
+        (``P * (K + 1)`` of it is the bound's)."""
         if self.ctx is not None:
             old = self._sizing
             self._sizing = Sizing.of(self, self.ctx.engine.concurrency)
@@ -317,8 +305,8 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         # 1) What may no longer be trained leaves: expired, dropped (and cancelled while
         # generating, with cancel_doomed), or regenerated from its prompt (retirement.py).
         self._retire(version, time.time())
-        if self._waits_for_due(version):
-            return None
+        if self.bound.policy.waits(self.bound, self, version):
+            return None  # regenerate: a protected group due now is still generating
         # 2) Choose P groups by the selection rule (FIFO, stratified, admission).
         view = BatchView(
             buffer=self._buffer,
@@ -332,12 +320,12 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         chosen = self.selection.choose(view)
         if chosen is None:
             return None
-        chosen = self._due_first(chosen, version)
+        chosen = self.bound.policy.first(self.bound, self, chosen, version)  # regenerate: due groups
         self.bound.record_take(version)
         out: list[Experience] = []
         for r in chosen:
             self._buffer.remove(r)
-            past = self.bound.excess(version, r.start_version) > 0 and not self.bound.holds
+            past = self.bound.over_bound(version, r.start_version)
             r.exps = self.bound.admit(r.exps, version, r.start_version) or []  # 3) weight / recompute
             self.counters["over_bound"] += 1 if past and r.exps else 0
             for e in r.exps:

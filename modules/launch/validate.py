@@ -11,19 +11,45 @@ attribute, ``issubclass``) and never reads a ``_target_``'s name. Every failure 
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from modules.algo.advantages import GroupAdvantage
 from modules.algo.corrections import NoCorrection
 from modules.config.budget import check_budget
-from modules.config.errors import check
+from modules.config.errors import ConfigError, check
 from modules.config.external import check_optimizers, check_trainer
 from modules.config.schema import builds, check_types, target_class
 
 log = logging.getLogger(__name__)
 FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
+
+
+# Cross-field rules kept beside the class they concern (a ``cross_field_rules`` tuple on the
+# class), found through the ``_target_`` of these config nodes; e.g. ``rollout.staleness``:
+# data/rollout/staleness.py, recompute_needs_bypass_anchor.
+RULE_HOLDERS = ("rollout.staleness",)
+
+
+def class_rules(cfg: DictConfig) -> list[Callable[[DictConfig], None]]:
+    """The cross-field rules of the classes ``cfg`` builds at ``RULE_HOLDERS``."""
+    classes = [target_class(OmegaConf.select(cfg, path)) for path in RULE_HOLDERS]
+    return [rule for cls in classes for rule in getattr(cls, "cross_field_rules", ())]
+
+
+def _refuses_decoupled(cfg: DictConfig) -> bool:
+    """Whether a class's own rule refuses ``algo.loss.anchor=decoupled`` in this config."""
+    alt = copy.deepcopy(cfg)
+    OmegaConf.update(alt, "algo.loss.anchor", "decoupled", force_add=True)
+    try:
+        for rule in class_rules(alt):
+            rule(alt)
+    except ConfigError:
+        return True
+    return False
 
 
 def validate(cfg: DictConfig) -> None:
@@ -83,7 +109,7 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     correction kept K = 0's (docs/estimators.md, "Lag in the multi-minibatch regime"). Quiet
     with one step per batch (another regime: its evidence favours the bypass anchor near the
     on-policy edge) and with a staleness policy that re-anchors at the bypass anchor itself
-    (``needs_bypass_anchor``: recompute)."""
+    (recompute, whose own rule refuses the decoupled anchor)."""
     algo, rollout, data = cfg.algo, cfg.rollout, cfg.get("data") or {}
     minibatches, epochs = algo.get("minibatches", 1), algo.get("epochs", 1)
     lag = weight_sync_lag(cfg)
@@ -95,7 +121,7 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     steps = minibatches * epochs
     if steps == 1 or algo.loss.get("anchor") != "bypass":
         return None
-    if getattr(target_class(rollout.get("staleness")), "needs_bypass_anchor", False):
+    if _refuses_decoupled(cfg):  # the advice would be refused (recompute re-anchors itself)
         return None
     sync_every = data.get("sync_every") or 1
     if lag > 0:
@@ -149,14 +175,8 @@ def _validate_rl(cfg: DictConfig) -> None:
         f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
     )
     _check_not_degenerate(cfg)
-    staleness = target_class(rollout.get("staleness"))
-    check(
-        "rollout.staleness",
-        getattr(staleness, "__name__", None),
-        not (getattr(staleness, "needs_bypass_anchor", False) and algo.loss.get("anchor") == "decoupled"),
-        "drop, downweight, admit, throttle or regenerate with algo.loss.anchor=decoupled (decoupled PPO already "
-        "anchors every sample at the current policy: Recompute would change nothing)",
-    )
+    for rule in class_rules(cfg):
+        rule(cfg)
     gpu_ids = engine.get("gpu_ids")
     devices = cfg.trainer.get("devices")
     if engine.get("weight_transfer") == "nccl":

@@ -75,7 +75,7 @@ def test_moving_the_bound_resizes_what_may_be_outstanding():
     ctl = streaming("rollout.max_inflight=auto", "rollout.buffer_capacity=auto", "rollout.max_staleness=1")
     run(ctl, steps=5)
     before = ctl._sizing.high
-    ctl.set_max_staleness(3)
+    ctl.bound.set_max_staleness(3)
     assert ctl._sizing.high == before + 2 * 32 and ctl.max_staleness == 3
 
 
@@ -169,7 +169,7 @@ def test_moving_the_bound_resizes_auto_over_provisioning():
     ctl = partial("rollout.over_provision=auto")
     simulate(ctl, SEED, steps=2, step_time=5.0, concurrency=64)
     assert ctl._sizing.inflight == 96  # P + 64 groups
-    ctl.set_max_staleness(1)  # what the drift controller does
+    ctl.bound.set_max_staleness(1)  # what the drift controller does
     assert ctl.max_staleness == 1 and ctl._sizing.inflight == 64 and ctl.alpha(64) == pytest.approx(2.0)
 
 

@@ -271,7 +271,7 @@ def test_an_unbounded_partial_rollout_is_cut_from_what_it_sees_and_relaxed_back_
     cb, trainer, module, ws, opt, sched, logged = make_run(actions=["staleness"])
 
     def set_bound(value):
-        partial.set_max_staleness(value)
+        partial.bound.set_max_staleness(value)
 
     trainer.datamodule.staleness_bound = lambda: RolloutDataModule.staleness_bound(dm)
     trainer.datamodule.set_staleness_bound = set_bound

@@ -252,3 +252,42 @@ def test_library_packages_mirror_the_config_groups():
     homes = {layer_of(t) for t in targets}
     packages = {pkg for pkg in LAYERS if (ROOT / pkg.replace(".", "/")).is_dir()}
     assert packages - {"modules.config", "modules.launch"} <= homes, packages - homes
+
+
+def policy_flags() -> set[str]:
+    """Names of what a staleness policy answers with a constant (``data/rollout/staleness.py``):
+    class attributes holding a bool, and methods that return True or False in every class that
+    defines them (a decision computed in some class, like ``may_start``, is not a flag)."""
+    flags, computed = set(), set()
+    for node in ast.walk(ast.parse((ROOT / "data/rollout/staleness.py").read_text())):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant):
+                if isinstance(item.value.value, bool):
+                    flags |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+            if isinstance(item, ast.FunctionDef):
+                returns = [n for n in ast.walk(item) if isinstance(n, ast.Return)]
+                constant = all(
+                    isinstance(r.value, ast.Constant) and isinstance(r.value.value, bool) for r in returns
+                )
+                (flags if returns and constant else computed).add(item.name)
+    return flags - computed
+
+
+def test_no_staleness_policy_flag_is_read_outside_its_file():
+    """Each staleness policy owns its decisions: nothing else branches on what a policy is."""
+    flags = policy_flags()
+    assert {"holds_bound", "discards_past_bound", "counts_versions"} <= flags
+    readers = []
+    for path in [*project_files().values(), *(ROOT / "tests").rglob("*.py")]:
+        if path == ROOT / "data/rollout/staleness.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in flags:
+                readers.append((str(path.relative_to(ROOT)), node.attr))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr":
+                args = node.args
+                if len(args) > 1 and isinstance(args[1], ast.Constant) and args[1].value in flags:
+                    readers.append((str(path.relative_to(ROOT)), args[1].value))
+    assert not readers, readers

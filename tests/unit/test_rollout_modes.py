@@ -420,7 +420,7 @@ def test_partial_rollout_refills_a_regenerated_group_when_the_bound_is_lowered()
     ctl.next_batch()  # 2 groups started, 1 trained, 1 carried over
     eng.advance_to(eng.now + 1.0)
     eng.update_weights({}, 1, inflight="keep")
-    ctl.set_max_staleness(0)
+    ctl.bound.set_max_staleness(0)
     batch = ctl.next_batch()
     assert [e.staleness for e in batch] == [0] and ctl.snapshot()["regenerated"] == 1
 

@@ -95,7 +95,7 @@ def test_every_shipped_recipe_passes():
 
 
 def test_rules_ask_the_class_not_its_name():
-    from data.rollout.staleness import Recompute, StalenessPolicy
+    from data.rollout.staleness import Recompute, StalenessPolicy, recompute_needs_bypass_anchor
     from data.rollout.sync import SyncRollout
     from modules.algo.corrections import NoCorrection
     from modules.policy.policy_gradient import PolicyGradientModule
@@ -105,7 +105,9 @@ def test_rules_ask_the_class_not_its_name():
     assert not target_class(compose(["recipe=sft_warmup"]).module).needs_engine
     assert builds(cfg.algo.correction, NoCorrection)
     assert target_class(cfg.rollout) is SyncRollout and SyncRollout.barrier
-    assert Recompute.needs_bypass_anchor and not StalenessPolicy.needs_bypass_anchor
+    assert (
+        recompute_needs_bypass_anchor in Recompute.cross_field_rules and not StalenessPolicy.cross_field_rules
+    )
     assert target_class({"_target_": "no.such.Thing"}) is None
     # and nowhere in the library is a class recognised by the end of its _target_ string
     pattern = re.compile(r"endswith\(\s*[\"']\.?[A-Z][A-Za-z0-9]+[\"']")

@@ -129,13 +129,14 @@ def test_a_bad_bound_names_the_field(bad):
 def test_an_unbounded_admit_never_waits_and_still_counts_versions():
     b = StalenessBound(None, Admit(), prompts_per_step=2)
     assert b.leaves_room([0] * 100, version=0)  # every group is trainable whenever it is taken
-    assert b.counts_versions  # batches per version still counted: data.sync_every_s is refused
-    assert not b.throttles  # but nothing to throttle against
+    with pytest.raises(ConfigError, match="data.sync_every_s"):  # batches per version still
+        b.check_sync_every_s(5.0)  # counted: data.sync_every_s is refused
+    assert b.may_start(10**9, version=0)  # but nothing to throttle against
 
 
 def test_regenerate_throttles_regenerates_past_the_bound_and_never_trains_there():
     b = StalenessBound(1, Regenerate(), prompts_per_step=4)
-    assert b.throttles and b.regenerates and b.holds and not b.drops
+    assert b.holds  # throttles (below), regenerates, never drops (test_rollout_modes.py)
     assert not b.may_start(8, version=0) and b.may_start(7, version=0)  # throttle's issue side
     # past the bound a buffered group is regenerated, a generating one once certainly past it
     assert not b.too_stale(version=3, start_version=2) and b.too_stale(version=3, start_version=1)
