@@ -12,6 +12,8 @@ carries no learning signal and only adds tokens to the denominator of a token-me
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from modules.config.errors import check, check_choice
@@ -89,3 +91,19 @@ class RunningBaseline:
         b = self._baselines.get(key, reward)
         self._baselines[key] = self.momentum * b + (1 - self.momentum) * reward
         return float(reward - b)
+
+
+def group_advantage_needs_groups(cfg: Any) -> None:
+    """Cross-field rule: group advantages need two responses per prompt (one has advantage 0);
+    with a critic (recipe=ppo) the advantages are the critic's, so one is fine."""
+    from modules.config.schema import builds
+
+    group_size = cfg.rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
+    if builds(cfg.algo.advantage, GroupAdvantage) and group_size >= 1 and cfg.module.get("critic") is None:
+        check(
+            "rollout.group_size",
+            group_size,
+            group_size >= 2,
+            "an int >= 2 with group advantages (one response per prompt has advantage 0: "
+            "nothing would be learned); for single responses use algo/advantage=running",
+        )

@@ -70,3 +70,22 @@ class KLRewardPenalty:
                 device=batch["advantages"].device,
             )
         return sum(penalties) / max(len(penalties), 1)
+
+
+def kl_reward_needs_whole_groups(cfg: Any) -> None:
+    """Cross-field rule: each DDP rank recomputes its groups' advantages from the KL-shaped
+    rewards, so it must hold whole groups."""
+    from modules.config.errors import batch_shape, world_size
+
+    shape = batch_shape(cfg)
+    if shape is None:
+        return
+    prompts, world = shape[0], world_size(cfg)
+    coef = (cfg.algo.get("kl_reward") or {}).get("coef") or 0
+    check(
+        "algo.kl_reward.coef",
+        coef,
+        not coef or world == 1 or prompts % world == 0,
+        f"0 unless rollout.prompts_per_step={prompts} is a multiple of the {world} ranks (each rank "
+        "must hold whole groups to recompute their advantages from the shaped rewards)",
+    )

@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -113,3 +114,22 @@ class CheckpointOnInterrupt(L.Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
             print(f"interrupted (exit {code}); checkpoint written to {path}", flush=True)
+
+
+def checkpoint_between_rollout_batches(cfg: Any) -> None:
+    """Cross-field rule: a step-end checkpoint falls between rollout batches, or it would record
+    a batch's prompts as consumed before all its minibatches trained."""
+    from modules.config.errors import batch_shape, check
+
+    shape = batch_shape(cfg)
+    if shape is None:
+        return
+    steps = shape[2] * shape[3]
+    every = (cfg.get("callbacks") or {}).get("checkpoint", {}).get("every_n_train_steps")
+    check(
+        "callbacks.checkpoint.every_n_train_steps",
+        every,
+        not every or every % steps == 0,
+        f"a multiple of algo.minibatches * algo.epochs = {steps} (a checkpoint inside a rollout "
+        "batch would record its prompts as consumed before all its minibatches trained)",
+    )

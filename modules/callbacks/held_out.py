@@ -6,7 +6,6 @@ python train.py callbacks.eval.every_n_versions=5    # greedy + sampled held-out
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import lightning as L
@@ -14,8 +13,6 @@ import torch
 
 from modules.callbacks.weight_sync import WeightSync
 from modules.config.errors import check
-
-log = logging.getLogger(__name__)
 
 
 class EngineStats(L.Callback):
@@ -47,6 +44,19 @@ def before_after(first: dict[str, float], last: dict[str, float]) -> list[str]:
     return lines
 
 
+def framed(lines: list[str]) -> str:
+    """``lines`` in a box, so that they stand out as the last lines of the console."""
+    width = max(len(line) for line in lines)
+    rule = "─" * (width + 2)
+    return "\n".join([f"┌{rule}┐", *(f"│ {line:<{width}} │" for line in lines), f"└{rule}┘"])
+
+
+def held_out_summary(trainer: L.Trainer) -> str | None:
+    """The framed before -> after lines of the trainer's ``HeldOutEval``, if it evaluated twice."""
+    evals = [c for c in trainer.callbacks if isinstance(c, HeldOutEval) and c.summary]
+    return framed(evals[0].summary) if evals else None
+
+
 class HeldOutEval(L.Callback):
     """Greedy held-out reward from the engine: at start, every N policy versions, at the end.
 
@@ -66,6 +76,7 @@ class HeldOutEval(L.Callback):
         )
         self.every_n_versions = every_n_versions
         self.history: list[dict[str, float]] = []
+        self.summary: list[str] = []  # the before -> after lines, at the end of fit (rank 0)
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank != 0:
@@ -108,8 +119,7 @@ class HeldOutEval(L.Callback):
         if self._engine_version(trainer, pl_module) != self._last_version():
             self._run(trainer, pl_module)
         if trainer.global_rank == 0 and len(self.history) > 1:
-            for line in before_after(self.history[0], self.history[-1]):
-                log.info(line)
+            self.summary = before_after(self.history[0], self.history[-1])  # train.py prints it last
 
     def _last_version(self) -> int:
         return int(self.history[-1]["policy_version"]) if self.history else -1

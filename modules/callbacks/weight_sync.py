@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from typing import Any
 
 import lightning as L
 import torch
@@ -254,3 +255,23 @@ class WeightSync(L.Callback):
             self.synced_step = trainer.global_step
         elif self.lag:  # the engine serves v - K: flush (same decision on every DDP rank)
             self._sync(trainer, pl_module, pl_module.policy_version, flush=True)
+
+
+def weight_sync_lag(cfg: Any) -> object:
+    """``callbacks.weight_sync.lag`` (0 when unset, also without a weight-sync group)."""
+    return ((cfg.get("callbacks") or {}).get("weight_sync") or {}).get("lag") or 0
+
+
+def lag_needs_sync_barrier(cfg: Any) -> None:
+    """Cross-field rule: a delayed sync makes the lag exact only behind the sync barrier."""
+    from modules.config.errors import check
+    from modules.config.schema import target_class
+
+    lag = weight_sync_lag(cfg)
+    check(
+        "callbacks.weight_sync.lag",
+        lag,
+        lag == 0 or getattr(target_class(cfg.get("rollout")), "barrier", False),
+        "0 unless rollout=sync (a delayed sync makes the lag exact only behind the barrier; "
+        "partial and streaming rollouts have their own lag, bounded by rollout.max_staleness)",
+    )

@@ -29,6 +29,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from modules.config.errors import ConfigError, check
 from modules.config.schema import target_class
@@ -227,3 +228,45 @@ def engine_visible_devices(value: str | None) -> Iterator[None]:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
+
+
+def nccl_needs_gpu_trainer(cfg: Any) -> None:
+    """Cross-field rule: the NCCL weight transfer broadcasts from the trainer's GPU."""
+    if cfg.engine.get("weight_transfer") == "nccl":
+        check(
+            "engine.weight_transfer",
+            "nccl",
+            cfg.trainer.get("accelerator") != "cpu",
+            "shm with trainer.accelerator=cpu (nccl broadcasts from the trainer's GPU)",
+        )
+
+
+def engine_gpus_apart_from_trainer(cfg: Any) -> None:
+    """Cross-field rule: ``engine.gpu_ids`` and ``trainer.devices`` name disjoint GPUs. An int N
+    means GPUs 0..N-1 to Lightning; -1 / "auto" means all of them. Against the GPUs this machine
+    has, ``place_gpus`` checks again when train.py places them."""
+    from omegaconf import OmegaConf
+
+    from modules.config.errors import is_count
+
+    gpu_ids, devices = cfg.engine.get("gpu_ids"), cfg.trainer.get("devices")
+    if gpu_ids is None or cfg.trainer.get("accelerator") not in ("gpu", "cuda"):
+        return
+    trainer_gpus = (
+        set(devices) if OmegaConf.is_list(devices) else set(range(devices)) if is_count(devices) else None
+    )
+    check(
+        "trainer.devices",
+        devices,
+        trainer_gpus is not None,
+        f"a GPU count or list when engine.gpu_ids={gpu_ids} is set ('auto' / -1 would take the engine's GPUs too)",
+    )
+    overlap = sorted(set(gpu_ids) & trainer_gpus) if OmegaConf.is_list(gpu_ids) else []
+    check(
+        "engine.gpu_ids",
+        list(gpu_ids) if OmegaConf.is_list(gpu_ids) else gpu_ids,
+        not overlap,
+        f"GPUs disjoint from trainer.devices={devices} (both use {overlap}); with an int N the "
+        "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2], "
+        "or engine.gpu_ids=auto",
+    )

@@ -168,3 +168,24 @@ def as_version(v: object) -> int:
         return int(v)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         return 0  # vLLM labels the initial weights "default": that is our version 0
+
+
+def sampling_fits_engine(cfg: Any) -> None:
+    """Cross-field rule: a response of ``rollout.sampling.max_tokens`` (and an evaluation one of
+    ``data.eval_max_tokens``) leaves room for the prompt within ``engine.max_model_len``."""
+    mml = cfg.engine.max_model_len
+    max_tokens = cfg.rollout.sampling.max_tokens
+    check(
+        "rollout.sampling.max_tokens",
+        max_tokens,
+        isinstance(max_tokens, int) and max_tokens + 16 <= mml,
+        f"an int that leaves room for the prompt within engine.max_model_len={mml}",
+    )
+    eval_tokens = cfg.data.get("eval_max_tokens")
+    if eval_tokens is not None:
+        check(
+            "data.eval_max_tokens",
+            eval_tokens,
+            1 <= eval_tokens and eval_tokens + 16 <= mml,
+            f"null or an int >= 1 that leaves room for the prompt within engine.max_model_len={mml}",
+        )

@@ -305,9 +305,11 @@ class VLLMEngine(HealthCheckedWaits):
         start = time.time()
         final = None
         try:
-            async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
-            ):
+            # Rendered as vLLM 0.32 wants (a raw prompt to generate() is deprecated): the same
+            # renderer call its deprecated path made, so the same token ids reach the engine.
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+            (engine_input,) = await self._llm.renderer.render_cmpl_async([prompt])
+            async for out in self._llm.generate(engine_input, params, request_id=rid):
                 final = out
         except asyncio.CancelledError:
             raise

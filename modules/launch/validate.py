@@ -5,9 +5,11 @@
 Where the other checks live: every field's type comes from the signature of what it builds
 (``schema.py``); a single field's range or choice is checked by the constructor it configures
 (``check`` calls, run when train.py builds every object, before the engine or a model); files
-and machine resources are ``preflight.py``'s. A rule here asks a class what it is (a class
-attribute, ``issubclass``) and never reads a ``_target_``'s name. Every failure is a
-``ConfigError`` naming the field, the value and what is allowed."""
+and machine resources are ``preflight.py``'s. Each cross-field rule is a named function beside
+the class it concerns; this file lists them in the order they run (``CROSS_FIELD_RULES``, and
+``RULE_HOLDERS`` for the data side's classes, which ``modules/`` may not import). A rule asks a
+class what it is (``issubclass``, its own rules) and never reads a ``_target_``'s name. Every
+failure is a ``ConfigError`` naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -17,12 +19,19 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from modules.algo.advantages import GroupAdvantage
+from modules.algo.advantages import group_advantage_needs_groups
 from modules.algo.corrections import NoCorrection
+from modules.algo.kl_reward import kl_reward_needs_whole_groups
+from modules.callbacks.checkpointing import checkpoint_between_rollout_batches
+from modules.callbacks.weight_sync import lag_needs_sync_barrier, weight_sync_lag
 from modules.config.budget import check_budget
-from modules.config.errors import ConfigError, check
+from modules.config.errors import ConfigError, check, is_count
 from modules.config.external import check_optimizers, check_trainer
 from modules.config.schema import builds, check_types, target_class
+from modules.engine.gpus import engine_gpus_apart_from_trainer, nccl_needs_gpu_trainer
+from modules.engine.types import sampling_fits_engine
+from modules.policy.logits import temperature_matches_sampling
+from modules.policy.ranks import ranks_divide_rollout_batch
 
 log = logging.getLogger(__name__)
 FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
@@ -94,12 +103,6 @@ def mismatch_warning(cfg: DictConfig) -> str | None:
     )
 
 
-def weight_sync_lag(cfg: DictConfig) -> object:
-    """``callbacks.weight_sync.lag`` (0 when unset, also without a weight-sync group); not
-    checked here."""
-    return ((cfg.get("callbacks") or {}).get("weight_sync") or {}).get("lag") or 0
-
-
 def lag_anchor_warning(cfg: DictConfig) -> str | None:
     """Why this run's loss is the one the multi-minibatch lag grid found weakest, or None: with
     several optimizer steps per rollout batch and trained samples that lag (a rollout without
@@ -115,7 +118,7 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     lag = weight_sync_lag(cfg)
     bound = rollout.get("max_staleness")
     if not (
-        _is_count(minibatches) and _is_count(epochs) and isinstance(lag, int) and not isinstance(lag, bool)
+        is_count(minibatches) and is_count(epochs) and isinstance(lag, int) and not isinstance(lag, bool)
     ):
         return None  # a bad value of one of these is reported by its own check, below
     steps = minibatches * epochs
@@ -141,8 +144,24 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     )
 
 
+# Rules that relate fields of several groups, each a named function beside the class it
+# concerns, run in this order (the first broken one is reported). Those of the data side
+# (data/ may not be imported from modules/) are found on the classes at RULE_HOLDERS.
+CROSS_FIELD_RULES: tuple[Callable[[DictConfig], None], ...] = (
+    sampling_fits_engine,  # modules/engine/types.py
+    temperature_matches_sampling,  # modules/policy/logits.py
+    group_advantage_needs_groups,  # modules/algo/advantages.py
+    lag_needs_sync_barrier,  # modules/callbacks/weight_sync.py
+    nccl_needs_gpu_trainer,  # modules/engine/gpus.py
+    engine_gpus_apart_from_trainer,  # modules/engine/gpus.py
+    checkpoint_between_rollout_batches,  # modules/callbacks/checkpointing.py
+    kl_reward_needs_whole_groups,  # modules/algo/kl_reward.py
+    ranks_divide_rollout_batch,  # modules/policy/ranks.py
+)
+
+
 def _validate_rl(cfg: DictConfig) -> None:
-    rollout, engine, algo, module = cfg.rollout, cfg.engine, cfg.algo, cfg.module
+    algo, engine = cfg.algo, cfg.engine
     for warning in (mismatch_warning(cfg), lag_anchor_warning(cfg)):
         if warning:
             log.warning(warning)
@@ -152,128 +171,16 @@ def _validate_rl(cfg: DictConfig) -> None:
     mml = engine.max_model_len  # its own range first: the rules below divide by it
     check("engine.max_model_len", mml, isinstance(mml, int) and mml >= 16, "an int >= 16")
     check_budget(cfg)  # sizes that would not fit in memory or the engine's queue
-    max_tokens = rollout.sampling.max_tokens
-    check(
-        "rollout.sampling.max_tokens",
-        max_tokens,
-        isinstance(max_tokens, int) and max_tokens + 16 <= engine.max_model_len,
-        f"an int that leaves room for the prompt within engine.max_model_len={engine.max_model_len}",
-    )
-    eval_tokens = cfg.data.get("eval_max_tokens")
-    if eval_tokens is not None:
-        check(
-            "data.eval_max_tokens",
-            eval_tokens,
-            1 <= eval_tokens and eval_tokens + 16 <= engine.max_model_len,
-            f"null or an int >= 1 that leaves room for the prompt within engine.max_model_len="
-            f"{engine.max_model_len}",
-        )
-    check(
-        "module.temperature",
-        module.temperature,
-        module.temperature == rollout.sampling.temperature,
-        f"equal to rollout.sampling.temperature={rollout.sampling.temperature} (logprobs must match)",
-    )
-    _check_not_degenerate(cfg)
-    for rule in class_rules(cfg):
+    rules = CROSS_FIELD_RULES
+    for rule in (*rules[:3], _lr_positive, rules[3], _threads, *class_rules(cfg), *rules[4:]):
         rule(cfg)
-    gpu_ids = engine.get("gpu_ids")
-    devices = cfg.trainer.get("devices")
-    if engine.get("weight_transfer") == "nccl":
-        check(
-            "engine.weight_transfer",
-            "nccl",
-            cfg.trainer.get("accelerator") != "cpu",
-            "shm with trainer.accelerator=cpu (nccl broadcasts from the trainer's GPU)",
-        )
-    if gpu_ids is not None and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
-        # An int N means GPUs 0..N-1 to Lightning; -1 / "auto" means all of them. Against the
-        # GPUs this machine has, modules/engine/gpus.py checks again when train.py places them.
-        trainer_gpus = (
-            set(devices)
-            if OmegaConf.is_list(devices)
-            else set(range(devices))
-            if _is_count(devices)
-            else None
-        )
-        check(
-            "trainer.devices",
-            devices,
-            trainer_gpus is not None,
-            f"a GPU count or list when engine.gpu_ids={gpu_ids} is set ('auto' / -1 would "
-            "take the engine's GPUs too)",
-        )
-        overlap = sorted(set(gpu_ids) & trainer_gpus) if OmegaConf.is_list(gpu_ids) else []
-        check(
-            "engine.gpu_ids",
-            list(gpu_ids) if OmegaConf.is_list(gpu_ids) else gpu_ids,
-            not overlap,
-            f"GPUs disjoint from trainer.devices={devices} (both use {overlap}); with an int N the "
-            "trainer takes GPUs 0..N-1, so list them, e.g. trainer.devices=[0,1] engine.gpu_ids=[2], "
-            "or engine.gpu_ids=auto",
-        )
-    # The rules below combine batch-shape fields; a bad value of one of those is reported by
-    # its constructor (naming that field), so here they only run when each field is sane.
-    sizes = (rollout.prompts_per_step, rollout.group_size, algo.get("minibatches", 1), algo.get("epochs", 1))
-    if not all(_is_count(v) for v in sizes):
-        return
-    prompts, group, minibatches, epochs = sizes
-    batch = prompts * group
-    if minibatches > batch:
-        return  # the datamodule says: algo.minibatches must be <= P x G
-    ckpt_every = (cfg.get("callbacks") or {}).get("checkpoint", {}).get("every_n_train_steps")
-    check(
-        "callbacks.checkpoint.every_n_train_steps",
-        ckpt_every,
-        not ckpt_every or ckpt_every % (minibatches * epochs) == 0,
-        f"a multiple of algo.minibatches * algo.epochs = {minibatches * epochs} (a checkpoint inside "
-        "a rollout batch would record its prompts as consumed before all its minibatches trained)",
-    )
-    world = len(devices) if OmegaConf.is_list(devices) else devices if _is_count(devices) else 1
-    world *= int(cfg.trainer.get("num_nodes") or 1)
-    kl_reward = (algo.get("kl_reward") or {}).get("coef") or 0
-    check(
-        "algo.kl_reward.coef",
-        kl_reward,
-        not kl_reward or world == 1 or prompts % world == 0,
-        f"0 unless rollout.prompts_per_step={prompts} is a multiple of the {world} ranks (each rank "
-        "must hold whole groups to recompute their advantages from the shaped rewards)",
-    )
-    check(
-        "trainer.devices",
-        devices,
-        world == 1 or batch % (world * minibatches) == 0,
-        f"a rank count that, times algo.minibatches={minibatches}, divides the rollout batch "
-        f"rollout.prompts_per_step * rollout.group_size = {batch} (DDP ranks train equal shards)",
-    )
 
 
-def _is_count(devices: object) -> bool:
-    return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
-
-
-def _check_not_degenerate(cfg: DictConfig) -> None:
-    """Settings that run without error but make the estimator learn nothing or nonsense."""
-    rollout, algo = cfg.rollout, cfg.algo
-    group_size = rollout.group_size  # < 1 is reported by the controller, naming ">= 1"
-    # with a critic (recipe=ppo) the advantages are the critic's: one response per prompt is fine
-    if builds(algo.advantage, GroupAdvantage) and group_size >= 1 and cfg.module.get("critic") is None:
-        check(
-            "rollout.group_size",
-            rollout.group_size,
-            rollout.group_size >= 2,
-            "an int >= 2 with group advantages (one response per prompt has advantage 0: "
-            "nothing would be learned); for single responses use algo/advantage=running",
-        )
+def _lr_positive(cfg: DictConfig) -> None:
     lr = cfg.module.get("optimizer", {}).get("lr")
     if lr is not None:
         check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
-    lag = weight_sync_lag(cfg)
-    check(
-        "callbacks.weight_sync.lag",
-        lag,
-        lag == 0 or getattr(target_class(cfg.get("rollout")), "barrier", False),
-        "0 unless rollout=sync (a delayed sync makes the lag exact only behind the barrier; "
-        "partial and streaming rollouts have their own lag, bounded by rollout.max_staleness)",
-    )
+
+
+def _threads(cfg: DictConfig) -> None:
     check("torch_threads", cfg.get("torch_threads", 1), cfg.get("torch_threads", 1) >= 1, "an int >= 1")

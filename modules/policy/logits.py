@@ -20,6 +20,8 @@ float64) is tested in ``tests/unit/test_logits.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -137,3 +139,11 @@ class LogitHead:
             f"differ by {diff:.2e} > {tolerance:g})",
         )
         self._checked.add(id(model))
+
+
+def temperature_matches_sampling(cfg: Any) -> None:
+    """Cross-field rule: the trainer's logprobs are ``log_softmax(logits / T)`` with the
+    sampler's T, or behaviour and trainer logprobs would not be of the same distribution."""
+    t, sampled = cfg.module.temperature, cfg.rollout.sampling.temperature
+    allowed = f"equal to rollout.sampling.temperature={sampled} (logprobs must match)"
+    check("module.temperature", t, t == sampled, allowed)

@@ -48,3 +48,20 @@ def all_ranks_finite(loss: torch.Tensor, logp: torch.Tensor, device: torch.devic
         finite = finite.to(device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item() > 0)
+
+
+def ranks_divide_rollout_batch(cfg: Any) -> None:
+    """Cross-field rule: DDP ranks train equal shards of every minibatch."""
+    from modules.config.errors import batch_shape, check, world_size
+
+    shape = batch_shape(cfg)
+    if shape is None:
+        return
+    batch, minibatches, world = shape[0] * shape[1], shape[2], world_size(cfg)
+    check(
+        "trainer.devices",
+        cfg.trainer.get("devices"),
+        world == 1 or batch % (world * minibatches) == 0,
+        f"a rank count that, times algo.minibatches={minibatches}, divides the rollout batch "
+        f"rollout.prompts_per_step * rollout.group_size = {batch} (DDP ranks train equal shards)",
+    )
