@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from lab import run_store
-from lab.drift_grid import arm_of, lag_of
+from lab.drift_cells import arm_of, lag_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = 0.2  # the shipped PPO clip

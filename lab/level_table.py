@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from lab.bench_metrics import mean_ci
-from lab.modes import run_dir_name
+from lab.modes_run import run_dir_name
 
 COUNTERS = ("rollout/over_bound", "rollout/regenerated", "rollout/dropped")
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab.modes import read_metrics
+from lab.modes_run import read_metrics
 
 # what a drift analysis reads: the step, the loss (marks a trained step), the reward, the lag,
 # the detector's signals and diagnostics, the controller's actions, the throughput

@@ -28,7 +28,7 @@ def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProces
 def test_bad_value_fails_fast_naming_the_field(override, expected, tmp_path):
     """As a user types it: exit code 2, one message naming the field (and for ours the value and
     what is allowed), no traceback, before any engine. Every other bad input of
-    tests/unit/bad_inputs.py goes through the same start-up in-process (tests/unit)."""
+    docs/bad_inputs.yaml goes through the same start-up in-process (tests/unit)."""
     t0 = time.monotonic()
     proc = run_train(override, f"hydra.run.dir={tmp_path}")
     elapsed = time.monotonic() - t0

@@ -216,7 +216,7 @@ def test_modes_table_renders_a_row_per_recipe_with_intervals():
 
 
 def test_run_dir_names_are_safe_in_hydra_overrides():
-    from lab.modes import run_dir_name
+    from lab.modes_run import run_dir_name
 
     name = run_dir_name("async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis")
     assert "=" not in name and "," not in name and "/" not in name and name.startswith("async_grpo+")

@@ -9,23 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from lab.detector_eval import (
+from lab.detector_candidates import (
     SHIPPED,
     EssThreshold,
-    Run,
     Traces,
     VcpoRule,
     detector_of,
     first_alarm,
     grid_configs,
-    ranked,
     replayed,
-    score,
     selective_alarms,
-    trained_steps,
     vcpo_alarms,
 )
-from lab.drift_grid import SLIDE_WARMUP, below_start_step, replay
+from lab.detector_runs import Run, trained_steps
+from lab.detector_score import ranked, score
+from lab.drift_outcome import SLIDE_WARMUP, below_start_step, replay
 from modules.callbacks.drift_score import DriftDetector
 
 

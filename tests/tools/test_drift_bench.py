@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.drift_grid import analyze_run, below_start_step, collapse_step
+from lab.drift_outcome import below_start_step, collapse_step
+from lab.drift_table import analyze_run
 
 FIELDS = ["step", "train/loss", "train/reward_mean", "train/reward_ema", "controller/notches"]
 
@@ -97,7 +98,8 @@ def test_a_collapse_with_a_dense_heldout_curve_is_dated_on_it_not_on_the_trainin
     its end points only leaves the old rules in charge. The store keeps the curve, and a stored
     run is dated as its directory is."""
     from lab import run_store
-    from lab.drift_grid import HELDOUT_MARGIN, find_run, heldout_step, outcome
+    from lab.drift_outcome import HELDOUT_MARGIN, heldout_step, outcome
+    from lab.drift_store import find_run
 
     start = 0.39
     curve = [(0, 0.39), (4, 0.40), (8, 0.38), (12, 0.41), (16, 0.30), (20, 0.10), (24, 0.05)]
@@ -170,7 +172,7 @@ def test_the_dashboard_plots_a_posthoc_curve_only_when_the_run_has_no_inline_eva
 
 
 def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
-    from lab.drift_grid import diagnostics
+    from lab.drift_outcome import diagnostics
 
     rows = rows_of([0.5] * 6)
     for i, r in enumerate(rows):  # a delayed sync's ramp: staleness min(step, 2)
@@ -187,7 +189,8 @@ def test_diagnostics_are_medians_at_full_lag_and_the_largest_weight(tmp_path):
 def test_arms_separate_anchor_clip_and_correction_and_pair_each_lag_with_k0():
     """Each arm's spec differs from the others in what its name says, ``arm_of`` inverts
     ``cell_spec`` (the old ``none`` is ``bypass``), and ``add_paired_differences`` pairs by seed."""
-    from lab.drift_grid import ARMS, add_paired_differences, arm_of, cell_spec, spec_overrides
+    from lab.drift_cells import ARMS, arm_of, cell_spec, spec_overrides
+    from lab.drift_table import add_paired_differences
 
     specs = {arm: spec_overrides(cell_spec(4, arm)) for arm in ARMS}
     assert specs["bypass_noclip"] == {**specs["bypass"], "algo/objective": "reinforce"}
@@ -213,7 +216,9 @@ def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and
     corrected arm with no K = 0 cell of its own is paired with that one, and the result (and its
     table entry) names the reference; an arm with its own K = 0 cell, and the bypass arms, never
     fall back."""
-    from lab.drift_grid import add_paired_differences, cell_spec, ci_text
+    from lab.drift_cells import cell_spec
+    from lab.drift_report import ci_text
+    from lab.drift_table import add_paired_differences
 
     def cell(*runs, gap=1e-5):
         return {
@@ -278,7 +283,8 @@ def test_cells_pair_with_bypass_and_decoupled_at_the_same_lag_for_both_rewards()
     """``vs_bypass`` pairs any arm with ``bypass`` at its own K (never across K or across other
     overrides), ``vs_decoupled`` only the corrected arms with plain ``decoupled``; sampled and
     greedy each."""
-    from lab.drift_grid import add_paired_differences, cell_spec
+    from lab.drift_cells import cell_spec
+    from lab.drift_table import add_paired_differences
 
     def cell(*runs):
         return {"runs": [{"seed": s, "final_sampled": f, "greedy": g} for s, f, g in runs]}
@@ -307,8 +313,10 @@ def test_cells_pair_with_bypass_and_decoupled_at_the_same_lag_for_both_rewards()
 
 
 def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
-    from lab.drift_grid import cell_spec, markdown, table
-    from lab.modes import run_dir_name
+    from lab.drift_cells import cell_spec
+    from lab.drift_report import markdown
+    from lab.drift_table import table
+    from lab.modes_run import run_dir_name
 
     out = tmp_path / "grid"
     (out / "initial_eval").mkdir(parents=True)
@@ -327,8 +335,9 @@ def test_the_markdown_table_has_one_row_per_lag_and_counts_collapses(tmp_path):
 
 
 def test_resume_skips_finished_seeds_and_clears_a_killed_one(tmp_path):
-    from lab.drift_grid import cell_spec, pending_seeds
-    from lab.modes import run_dir_name
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import pending_seeds
+    from lab.modes_run import run_dir_name
 
     spec = cell_spec(2, "tis")
     finished = write_run(tmp_path / run_dir_name(spec) / "seed0", rows_of([0.5] * 5), 0.6)
@@ -367,8 +376,10 @@ def test_a_stored_run_reads_as_its_directory_and_resume_skips_it(tmp_path):
     checkout no longer has: the same outcome (alarm, collapse, diagnostics), the same table
     cell, and --resume skips it."""
     from lab import run_store
-    from lab.drift_grid import archive, cell_spec, pending_seeds, table
-    from lab.modes import run_dir_name
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import archive, pending_seeds
+    from lab.drift_table import table
+    from lab.modes_run import run_dir_name
 
     out, store = tmp_path / "grid", tmp_path / "store.jsonl"
     spec = cell_spec(1, "tis")
@@ -428,7 +439,8 @@ def test_a_line_cut_short_is_skipped_and_the_next_record_is_whole(tmp_path, caps
 
 
 def test_a_store_of_another_setup_is_refused(tmp_path):
-    from lab.drift_grid import cell_spec, check_setup
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import check_setup
 
     spec = cell_spec(1, "tis")
     stored = {(spec, 0): {"overrides": ["module.optimizer.lr=2e-3"], "eval_every": 60}}
@@ -440,7 +452,7 @@ def test_a_store_of_another_setup_is_refused(tmp_path):
 
 
 def test_runs_from_different_warm_starts_are_refused(tmp_path):
-    from lab.drift_grid import start_reward
+    from lab.drift_store import start_reward
 
     (tmp_path / "initial_eval").mkdir()
     (tmp_path / "initial_eval" / "x.json").write_text(
@@ -462,7 +474,9 @@ def test_another_build_of_the_warm_start_is_read_from_its_own_store_and_paired_w
     cells, are judged against their own start, and pair only with runs of their own build. The
     store keeps the build's weight hash."""
     from lab import run_store
-    from lab.drift_grid import cell_spec, markdown, table
+    from lab.drift_cells import cell_spec
+    from lab.drift_report import markdown
+    from lab.drift_table import table
 
     k0, k2 = cell_spec(0, "bypass"), cell_spec(2, "bypass")
     run = write_run(tmp_path / "runs" / "seed0", rows_of([0.5] * 20), 0.41)
@@ -512,7 +526,8 @@ def test_another_build_of_the_warm_start_is_read_from_its_own_store_and_paired_w
 def test_a_run_of_another_build_is_not_appended_to_the_store(tmp_path):
     """A machine whose rebuilt warm start differs (its hash, or for older records its held-out
     start) cannot add its runs to a store of another build: the store stays one build."""
-    from lab.drift_grid import archive, cell_spec, other_build
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import archive, other_build
 
     spec = cell_spec(2, "tis")
     run = write_run(tmp_path / "out" / "x", rows_of([0.5] * 5), 0.6)
@@ -523,7 +538,7 @@ def test_a_run_of_another_build_is_not_appended_to_the_store(tmp_path):
     assert "weights" in other_build({"start_sampled": 0.3859, "warm_start": "ccc"}, stored_b)
     assert other_build({"start_sampled": None, "warm_start": None}, stored_b) is None  # a diverged run
     # archive refuses, and writes nothing
-    from lab.modes import run_dir_name
+    from lab.modes_run import run_dir_name
 
     run_dir = tmp_path / "out" / run_dir_name(spec) / "seed1"
     shutil.copytree(run, run_dir)
@@ -544,8 +559,9 @@ def test_a_run_another_worker_holds_is_left_to_it(tmp_path):
     per run), and takes it once the first lets go."""
     import fcntl
 
-    from lab.drift_grid import cell_spec, run_lock
-    from lab.modes import run_dir_name
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import run_lock
+    from lab.modes_run import run_dir_name
 
     spec = cell_spec(1, "ds_seq_mask")
     with run_lock(tmp_path, spec, 2) as first:
@@ -567,8 +583,9 @@ def test_the_sweep_leaves_a_run_another_worker_is_finishing(tmp_path):
     import fcntl
 
     from lab import run_store
-    from lab.drift_grid import cell_spec, sweep
-    from lab.modes import run_dir_name
+    from lab.drift_cells import cell_spec
+    from lab.drift_store import sweep
+    from lab.modes_run import run_dir_name
 
     out, store = tmp_path / "grid", tmp_path / "store.jsonl"
     spec = cell_spec(0, "tis")

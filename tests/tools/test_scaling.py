@@ -9,13 +9,13 @@ import math
 import pytest
 from hydra.utils import instantiate
 
-from lab.scaling import (
+from lab.scaling import main
+from lab.scaling_costs import (
     Gpu,
     Model,
     broadcast_time,
     decode_rate,
     gpu_split,
-    main,
     place,
     push_time,
     sync_cost,

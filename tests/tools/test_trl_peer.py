@@ -26,7 +26,7 @@ def test_the_sync_recipe_is_mirrored_and_other_settings_are_refused_by_field():
 
 
 def test_the_run_directory_reads_like_a_train_py_run(tmp_path):
-    from lab.modes import last, read_metrics
+    from lab.modes_run import last, read_metrics
     from tools.heldout_curve import run_overrides, training_time_of, wall_at_steps
 
     rows = [

@@ -1,4 +1,4 @@
-"""The adversarial command lines of ``tests/unit/bad_inputs.py`` (214 bad, 21 valid but
+"""The adversarial command lines of ``docs/bad_inputs.yaml`` (214 bad, 21 valid but
 unusual) through train.py's start-up, in-process: each bad one is refused before any engine
 or model is built, with one message naming its field; each valid one passes. The e2e tier
 runs two of them as a user types them (exit code 2, no traceback: tests/e2e/test_config.py).
@@ -10,13 +10,22 @@ import sys
 
 import lightning as L
 import pytest
+import yaml
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from modules.config.errors import ConfigError
 from modules.launch.cli import message
 from modules.launch.start import build_run
-from tests.conftest import compose
-from tests.unit.bad_inputs import BAD, GOOD
+from tests.conftest import ROOT, compose
+
+
+def load_table() -> tuple[list[tuple[str, list[str], str]], list[list[str]]]:
+    """``docs/bad_inputs.yaml``: BAD as (input class, overrides, field), GOOD as override lists."""
+    table = yaml.safe_load((ROOT / "docs" / "bad_inputs.yaml").read_text())
+    return [(e["class"], e["overrides"], e["field"]) for e in table["bad"]], table["good"]
+
+
+BAD, GOOD = load_table()
 
 
 def start_up(overrides: list[str], model: str | None = None) -> None:
