@@ -1,22 +1,29 @@
 """Tools and rewards served over HTTP, with request batching.
 
-The protocol is one JSON POST: ``{"inputs": [x1, x2, ...]}`` -> ``{"outputs": [y1, y2, ...]}``,
-one output per input, in order. ``HttpTool.call(x)`` is a coroutine function, so an
-environment hands it to ``self.tools.call`` like any tool (concurrency limit, timeout,
-retries, latency model: ``tools.py``); calls that arrive within ``max_wait_s`` of each other
-go out as one request of at most ``batch_size`` inputs (a judge or a reward model served
-elsewhere scores a batch at the cost of one). ``serve(fn)`` starts such a server in this
-process (uvicorn on a daemon thread, a local port) for tests and single-machine recipes.
+The protocol is one JSON POST: ``{"inputs": [x1, x2, ...]}`` -> ``{"outputs": [y1, y2, ...],
+"errors": [null, "ValueError: ...", ...]}``, one output and one error per input, in order
+(``errors`` may be left out: all ok; an entry that is not null is that input's failure, its
+output is ignored). ``HttpTool.call(x)`` is a coroutine function, so an environment hands it to
+``self.tools.call`` like any tool (concurrency limit, timeout, retries, latency model:
+``tools.py``); calls that arrive within ``max_wait_s`` of each other go out as one request of
+at most ``batch_size`` inputs (a judge or a reward model served elsewhere scores a batch at the
+cost of one). ``serve(fn)`` starts such a server in this process (uvicorn on a daemon thread, a
+local port) for tests and single-machine recipes; ``fn`` raising on one input fails that input
+only. ``serve_app(app)`` runs any ASGI app the same way (test stand-ins).
 
     server = serve(lambda expr: calculate(expr))        # http://127.0.0.1:<port>/
     tool = HttpTool(server.url)
     result = await env.tools.call(tool.call, "47*38")   # ToolResult(ok=True, output=1786)
+
+An OpenAI-compatible chat endpoint (a judge or a reward model) is ``chat_client.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
 import socket
 import threading
 import time
@@ -26,30 +33,184 @@ from typing import Any
 
 from modules.config.errors import check
 
+TEXT_LIMIT = 500  # characters of a server's answer kept in an error message
 
-class HttpTool:
+
+class RemoteError(RuntimeError):
+    """A remote call failed; the message names the server's URL and what it said."""
+
+
+class RemoteTimeout(RemoteError):
+    """No answer within ``timeout_s``. Deliberately not a ``TimeoutError``: ``ToolRunner``
+    would report its own timeout instead of this message."""
+
+
+class RemoteDownError(RuntimeError):
+    """A remote server failed ``max_consecutive_failures`` requests in a row: the run stops."""
+
+
+def clip_text(text: str, limit: int = TEXT_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    text = text.strip()
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def bearer(auth_env: str | None, field: str) -> dict[str, str]:
+    """The ``Authorization`` header from the environment variable named ``auth_env`` (none
+    without one); a missing or empty variable is a ``ConfigError`` naming ``field``. Only the
+    variable's name is ever stored or printed."""
+    if auth_env is None:
+        return {}
+    check(
+        field,
+        auth_env,
+        isinstance(auth_env, str) and auth_env != "",
+        "null or the name of an environment variable",
+    )
+    value = os.environ.get(auth_env, "")
+    check(
+        field,
+        auth_env,
+        value != "",
+        f"an environment variable that is set and not empty (${auth_env} is not)",
+    )
+    return {"Authorization": f"Bearer {value}"}
+
+
+def network_error(url: str, e: Exception, timeout_s: float, field: str) -> RemoteError:
+    """A client-side exception (refused, reset, timed out) as a ``RemoteError`` naming ``url``."""
+    import httpx
+
+    if isinstance(e, RemoteError):
+        return e
+    if isinstance(e, (asyncio.TimeoutError, httpx.TimeoutException)):
+        return RemoteTimeout(f"{url}: no answer within {field}={timeout_s:g} s")
+    if isinstance(e, httpx.ConnectError):
+        return RemoteError(f"{url}: cannot connect ({e or type(e).__name__})")
+    return RemoteError(f"{url}: request failed: {type(e).__name__}: {e}")
+
+
+def answer_json(url: str, status: int, text: str) -> Any:
+    """The JSON body of a 2xx answer; else a ``RemoteError`` with the status and the text."""
+    if status >= 400:
+        raise RemoteError(f"{url} answered HTTP {status}: {clip_text(text)}")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise RemoteError(f"{url} answered HTTP {status}, not JSON: {clip_text(text)}") from None
+
+
+class Health:
+    """Counts whole-request failures in a row; at ``max_consecutive_failures`` (0: never) the
+    remote is down: ``down`` holds the reason and ``check_health()`` raises it."""
+
+    url: str
+    max_consecutive_failures: int
+
+    def __init__(self) -> None:
+        self.consecutive_failures = 0
+        self.down: str | None = None
+        self._health_lock = threading.Lock()
+
+    def _succeeded(self) -> None:
+        with self._health_lock:
+            self.consecutive_failures = 0
+
+    def _failed(self, error: Exception) -> None:
+        with self._health_lock:
+            self.consecutive_failures += 1
+            n, limit = self.consecutive_failures, self.max_consecutive_failures
+            if self.down is None and limit and n >= limit:
+                self.down = f"{self.url} failed {n} requests in a row (max_consecutive_failures={limit}); last: {error}"
+
+    def _refuse_if_down(self) -> None:
+        if self.down is not None:
+            raise RemoteDownError(self.down)
+
+    def check_health(self) -> None:
+        """Raise ``RemoteDownError`` naming the server if it is down; else do nothing."""
+        self._refuse_if_down()
+
+
+class HttpTool(Health):
+    """Calls of one HTTP tool server, batched (protocol above).
+
+    Fields (``env.http`` of a recipe): ``url``; ``batch_size`` (inputs per request, >= 1);
+    ``max_wait_s`` (how long a call waits for others to share its request, [0, 10));
+    ``timeout_s`` (per request, > 0: connect, send and answer together); ``max_consecutive_failures``
+    (whole-request failures in a row after which the tool is down, 0 = never; default 20);
+    ``auth_env`` (the NAME of an environment variable: requests carry ``Authorization: Bearer
+    $auth_env``; missing or empty is a config error at construction).
+
+    Errors: an input the server failed raises ``RemoteError`` with the server's message for
+    that input only. A whole-request failure (HTTP 4xx/5xx, an answer that is not JSON or has
+    the wrong number of outputs, refused, timed out) raises ``RemoteError`` with the status and
+    the server's text (first 500 characters) in every call of the batch. Both become tool
+    errors (observations) in ``ToolRunner``, which never lets a tool stop a run.
+
+    The stop contract: after ``max_consecutive_failures`` whole-request failures in a row (a
+    success resets the count) ``self.down`` holds the reason (the URL and the last error), every
+    later call raises ``RemoteDownError`` at once without a request, and ``check_health()``
+    raises ``RemoteDownError(self.down)``. The episode runner calls ``check_health()`` of an
+    environment's remote tools (``remote_tools(env)``) after each step and lets the error end
+    the run; ``check_health()`` is cheap and raises nothing while the tool is up.
+    """
+
     def __init__(
-        self, url: str, batch_size: int = 16, max_wait_s: float = 0.005, timeout_s: float = 10.0
+        self,
+        url: str,
+        batch_size: int = 16,
+        max_wait_s: float = 0.005,
+        timeout_s: float = 10.0,
+        max_consecutive_failures: int = 20,
+        auth_env: str | None = None,
     ) -> None:
-        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
-            raise ValueError(f"HttpTool: url={url!r} is not an http(s) URL")
-        # the settings a recipe gives as env.http (data/tasks/calculator.py)
+        super().__init__()
         check(
-            "env.http.batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1, "an int >= 1"
+            "env.http.url",
+            url,
+            isinstance(url, str) and url.startswith(("http://", "https://")),
+            "an http(s) URL",
         )
-        check("env.http.max_wait_s", max_wait_s, 0 <= max_wait_s < 10, "a float in [0, 10)")
-        check("env.http.timeout_s", timeout_s, timeout_s > 0, "a float > 0")
-        self.url, self.batch_size, self.max_wait_s, self.timeout_s = url, batch_size, max_wait_s, timeout_s
+        check("env.http.batch_size", batch_size, is_int(batch_size) and batch_size >= 1, "an int >= 1")
+        check(
+            "env.http.max_wait_s",
+            max_wait_s,
+            is_real(max_wait_s) and 0 <= max_wait_s < 10,
+            "a float in [0, 10)",
+        )
+        check("env.http.timeout_s", timeout_s, is_real(timeout_s) and timeout_s > 0, "a finite float > 0")
+        check(
+            "env.http.max_consecutive_failures",
+            max_consecutive_failures,
+            is_int(max_consecutive_failures) and max_consecutive_failures >= 0,
+            "an int >= 0 (0: never stop)",
+        )
+        bearer(auth_env, "env.http.auth_env")  # refused now, not at the first call
+        self.url, self.batch_size, self.max_wait_s = url, batch_size, float(max_wait_s)
+        self.timeout_s, self.max_consecutive_failures, self.auth_env = (
+            float(timeout_s),
+            max_consecutive_failures,
+            auth_env,
+        )
         self._loops: dict[int, _Batcher] = {}  # per event loop: a client and its queue
         self.requests = 0  # POSTs sent (fewer than calls when batching works)
 
+    def __repr__(self) -> str:
+        return f"HttpTool({self.url!r}, batch_size={self.batch_size}, auth_env={self.auth_env!r}, down={self.down!r})"
+
     async def call(self, x: Any) -> Any:
+        """The server's output for ``x``; raises ``RemoteError`` or ``RemoteDownError``."""
+        self._refuse_if_down()
         loop = asyncio.get_running_loop()
         batcher = self._loops.get(id(loop))
         if batcher is None:
             import httpx
 
-            batcher = self._loops[id(loop)] = _Batcher(httpx.AsyncClient(timeout=self.timeout_s))
+            client = httpx.AsyncClient(
+                timeout=self.timeout_s, headers=bearer(self.auth_env, "env.http.auth_env")
+            )
+            batcher = self._loops[id(loop)] = _Batcher(client)
         fut: asyncio.Future = loop.create_future()
         batcher.queue.append((x, fut))
         if len(batcher.queue) >= self.batch_size:
@@ -71,19 +232,57 @@ class HttpTool:
 
     async def _post(self, batcher: _Batcher, batch: list[tuple[Any, asyncio.Future]]) -> None:
         try:
-            response = await batcher.client.post(self.url, json={"inputs": [x for x, _ in batch]})
-            response.raise_for_status()
-            outputs = response.json()["outputs"]
-            if len(outputs) != len(batch):
-                raise ValueError(f"{self.url} returned {len(outputs)} outputs for {len(batch)} inputs")
+            body = {"inputs": [x for x, _ in batch]}
+            try:
+                response = await asyncio.wait_for(batcher.client.post(self.url, json=body), self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - refused, reset, timed out: named below
+                raise network_error(self.url, e, self.timeout_s, "env.http.timeout_s") from e
+            outputs, errors = self._parse(response.status_code, response.text, len(batch))
         except Exception as e:  # noqa: BLE001 - every call of the batch fails with it
+            self._failed(e)
+            kind = type(e) if isinstance(e, RemoteError) else RemoteError
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(e)
+                    fut.set_exception(kind(str(e)))  # one exception per call: tracebacks stay apart
             return
-        for (_, fut), y in zip(batch, outputs):
-            if not fut.done():
+        self._succeeded()
+        for (_, fut), y, error in zip(batch, outputs, errors):
+            if fut.done():
+                continue
+            if error is None:
                 fut.set_result(y)
+            else:
+                fut.set_exception(RemoteError(f"{self.url} failed this input: {clip_text(str(error))}"))
+
+    def _parse(self, status: int, text: str, n: int) -> tuple[list, list]:
+        payload = answer_json(self.url, status, text)
+        outputs = payload.get("outputs") if isinstance(payload, dict) else None
+        errors = payload.get("errors") if isinstance(payload, dict) else None
+        if errors is None:
+            errors = [None] * n
+        if not isinstance(outputs, list) or not isinstance(errors, list):
+            raise RemoteError(
+                f"{self.url} answered without an outputs list (and errors list or null): {clip_text(text)}"
+            )
+        if len(outputs) != n or len(errors) != n:
+            raise RemoteError(
+                f"{self.url} returned {len(outputs)} outputs for {n} inputs ({len(errors)} errors)"
+            )
+        return outputs, errors
+
+
+def remote_tools(env: Any) -> list[Health]:
+    """The remote tools an environment holds as attributes (``HttpTool``, ``ChatJudge``), for
+    the episode runner's ``check_health()`` after each step."""
+    return [v for v in vars(env).values() if isinstance(v, Health)]
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -94,20 +293,26 @@ class _Batcher:
 
 
 class Server:
-    """A local HTTP server of ``fn`` (one input -> one output) in this process."""
+    """A local HTTP server in this process: of ``fn`` (one input -> one output, a function or a
+    coroutine function) under the protocol above, or of any ASGI ``app``."""
 
-    def __init__(self, fn: Callable[[Any], Any], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, fn: Callable[[Any], Any] | None = None, host: str = "127.0.0.1", port: int = 0, app: Any = None
+    ) -> None:
         import uvicorn
 
-        self.fn = fn
+        from data.envs.tools import is_async
+
+        self.fn, self._async = fn, fn is not None and is_async(fn)
         self.batches: list[int] = []  # inputs per request received
+        self.authorization: list[str | None] = []  # the Authorization header of each request
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}/"
         config = uvicorn.Config(
-            self._app, host=host, port=port, log_level="warning", lifespan="off", interface="asgi3"
+            app or self._app, host=host, port=port, log_level="warning", lifespan="off", interface="asgi3"
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="asyncrl-http-tool", daemon=True)
@@ -119,12 +324,26 @@ class Server:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        headers = dict(scope.get("headers") or [])
+        self.authorization.append(headers[b"authorization"].decode() if b"authorization" in headers else None)
         try:
             inputs = json.loads(body)["inputs"]
+            assert isinstance(inputs, list), "inputs is not a list"
+        except Exception as e:  # noqa: BLE001 - a bad request: the client sees why
+            payload, status = {"error": f"bad request: {type(e).__name__}: {e}"}, 400
+        else:
             self.batches.append(len(inputs))
-            payload, status = {"outputs": [self.fn(x) for x in inputs]}, 200
-        except Exception as e:  # noqa: BLE001 - the client sees the error and its status
-            payload, status = {"error": f"{type(e).__name__}: {e}"}, 500
+            outputs, errors = [], []
+            for x in inputs:
+                try:
+                    y = await self.fn(x) if self._async else self.fn(x)
+                    json.dumps(y)  # an output that cannot be sent fails its input only
+                    outputs.append(y)
+                    errors.append(None)
+                except Exception as e:  # noqa: BLE001 - this input's failure, sent back as text
+                    outputs.append(None)
+                    errors.append(f"{type(e).__name__}: {e}")
+            payload, status = {"outputs": outputs, "errors": errors}, 200
         data = json.dumps(payload).encode()
         await send(
             {
@@ -145,10 +364,16 @@ class Server:
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
+        """Stop now: requests still in flight are dropped, not waited for."""
+        self._server.should_exit = self._server.force_exit = True
         self._thread.join(5)
 
 
 def serve(fn: Callable[[Any], Any], host: str = "127.0.0.1", port: int = 0) -> Server:
-    """Start a local server of ``fn`` and return it (``.url``, ``.stop()``)."""
+    """Start a local server of ``fn`` and return it (``.url``, ``.stop()``, ``.batches``)."""
     return Server(fn, host, port).start()
+
+
+def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> Server:
+    """Start a local server of an ASGI ``app`` (a stand-in for a remote service in tests)."""
+    return Server(None, host, port, app=app).start()
