@@ -28,7 +28,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from data.envs.http import Health, RemoteError, answer_json, bearer, clip_text, is_int, is_real, network_error
+from data.envs.http import (
+    Health,
+    RemoteError,
+    answer_json,
+    bearer,
+    clip_text,
+    http_client,
+    is_int,
+    is_real,
+    network_error,
+)
 from modules.config.errors import check
 
 TEMPLATE = (
@@ -56,7 +66,8 @@ def first_number(reply: str, scale: float = 1.0) -> float:
 
 
 class ChatJudge(Health):
-    """Scores text with a chat model at ``url``.
+    """Scores text with a chat model at ``url``. Bad settings raise a ``ConfigError`` naming
+    ``task.judge.<field>`` (its place under ``JudgedTask``).
 
     ``url``: the server's base URL (posts to ``{url}/v1/chat/completions``; a URL ending in
     ``/v1`` gets ``/chat/completions``, one ending in ``/chat/completions`` is used as is).
@@ -93,31 +104,38 @@ class ChatJudge(Health):
     ) -> None:
         super().__init__()
         check(
-            "judge.url",
+            "task.judge.url",
             url,
             isinstance(url, str) and url.startswith(("http://", "https://")),
             "an http(s) URL",
         )
-        check("judge.model", model, isinstance(model, str) and model != "", "a model name")
-        check("judge.timeout_s", timeout_s, is_real(timeout_s) and timeout_s > 0, "a finite float > 0")
+        check("task.judge.model", model, isinstance(model, str) and model != "", "a model name")
+        check("task.judge.timeout_s", timeout_s, is_real(timeout_s) and timeout_s > 0, "a finite float > 0")
         check(
-            "judge.max_concurrency",
+            "task.judge.max_concurrency",
             max_concurrency,
             is_int(max_concurrency) and max_concurrency >= 1,
             "an int >= 1",
         )
-        check("judge.temperature", temperature, is_real(temperature) and temperature >= 0, "a float >= 0")
-        check("judge.max_tokens", max_tokens, is_int(max_tokens) and max_tokens >= 1, "an int >= 1")
-        check("judge.template", template, "response" in _fields(template), "a format string with {response}")
-        check("judge.parser", parser, callable(parser), "a function: reply text -> float")
-        check("judge.system", system, system is None or isinstance(system, str), "null or a string")
         check(
-            "judge.max_consecutive_failures",
+            "task.judge.temperature", temperature, is_real(temperature) and temperature >= 0, "a float >= 0"
+        )
+        check("task.judge.max_tokens", max_tokens, is_int(max_tokens) and max_tokens >= 1, "an int >= 1")
+        check(
+            "task.judge.template",
+            template,
+            "response" in _fields(template),
+            "a format string with {response}",
+        )
+        check("task.judge.parser", parser, callable(parser), "a function: reply text -> float")
+        check("task.judge.system", system, system is None or isinstance(system, str), "null or a string")
+        check(
+            "task.judge.max_consecutive_failures",
             max_consecutive_failures,
             is_int(max_consecutive_failures) and max_consecutive_failures >= 0,
             "an int >= 0 (0: never stop)",
         )
-        bearer(auth_env, "judge.auth_env")  # refused now, not at the first call
+        bearer(auth_env, "task.judge.auth_env")  # refused now, not at the first call
         base = url.rstrip("/")
         if not base.endswith("/chat/completions"):
             base += "/chat/completions" if base.endswith("/v1") else "/v1/chat/completions"
@@ -158,7 +176,7 @@ class ChatJudge(Health):
         missing = sorted(_fields(self.template) - set(fields))
         if missing:
             raise ValueError(
-                f"judge.template names {missing}, which the row does not have (it has {sorted(fields)})"
+                f"task.judge.template names {missing}, which the row does not have (it has {sorted(fields)})"
             )
         return self.template.format_map(fields)
 
@@ -175,15 +193,11 @@ class ChatJudge(Health):
 
     async def call(self, text: str, row: dict | None = None) -> float:
         """The score of ``text`` (a coroutine: a tool for ``ToolRunner.call``)."""
-        self._refuse_if_down()
+        self.check_health()
         body = self.body(text, row)
         loop = asyncio.get_running_loop()
         if id(loop) not in self._loops:
-            import httpx
-
-            client = httpx.AsyncClient(
-                timeout=self.timeout_s, headers=bearer(self.auth_env, "judge.auth_env")
-            )
+            client = http_client(self.timeout_s, self.auth_env, "task.judge.auth_env")
             self._loops[id(loop)] = (client, asyncio.Semaphore(self.max_concurrency))
         client, slots = self._loops[id(loop)]
         async with slots:
@@ -197,15 +211,11 @@ class ChatJudge(Health):
     def reward(self, row: dict, response: str) -> float:
         """The score of ``response`` to ``row`` (blocking: the reward path calls it from a
         thread, or in a worker process with ``data.reward_timeout_s``)."""
-        self._refuse_if_down()
+        self.check_health()
         body = self.body(response, row)
         with self._lock:
             if self._client is None:
-                import httpx
-
-                self._client = httpx.Client(
-                    timeout=self.timeout_s, headers=bearer(self.auth_env, "judge.auth_env")
-                )
+                self._client = http_client(self.timeout_s, self.auth_env, "task.judge.auth_env", sync=True)
             client = self._client
         with self._slots:
             self.requests += 1
@@ -218,7 +228,7 @@ class ChatJudge(Health):
     __call__ = reward  # judge(row, response): a plain reward function
 
     def _network(self, e: Exception) -> RemoteError:
-        error = network_error(self.url, e, self.timeout_s, "judge.timeout_s")
+        error = network_error(self.url, e, self.timeout_s, "task.judge.timeout_s")
         self._failed(error)
         return error
 

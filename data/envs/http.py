@@ -77,6 +77,23 @@ def bearer(auth_env: str | None, field: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {value}"}
 
 
+_SSL: list[Any] = []  # one SSL context for every client (loading the CA bundle is slow)
+_SSL_LOCK = threading.Lock()
+
+
+def http_client(timeout_s: float, auth_env: str | None, field: str, sync: bool = False) -> Any:
+    """An httpx client (``AsyncClient``, or ``Client`` if ``sync``) with the auth header of
+    ``auth_env``. Clients share one SSL context: made per client it costs tens of ms (seconds
+    on a busy machine), charged to the first call's timeout."""
+    import httpx
+
+    with _SSL_LOCK:
+        if not _SSL:
+            _SSL.append(httpx.create_ssl_context())
+    cls = httpx.Client if sync else httpx.AsyncClient
+    return cls(timeout=timeout_s, headers=bearer(auth_env, field), verify=_SSL[0])
+
+
 def network_error(url: str, e: Exception, timeout_s: float, field: str) -> RemoteError:
     """A client-side exception (refused, reset, timed out) as a ``RemoteError`` naming ``url``."""
     import httpx
@@ -123,13 +140,10 @@ class Health:
             if self.down is None and limit and n >= limit:
                 self.down = f"{self.url} failed {n} requests in a row (max_consecutive_failures={limit}); last: {error}"
 
-    def _refuse_if_down(self) -> None:
-        if self.down is not None:
-            raise RemoteDownError(self.down)
-
     def check_health(self) -> None:
         """Raise ``RemoteDownError`` naming the server if it is down; else do nothing."""
-        self._refuse_if_down()
+        if self.down is not None:
+            raise RemoteDownError(self.down)
 
 
 class HttpTool(Health):
@@ -166,12 +180,8 @@ class HttpTool(Health):
         auth_env: str | None = None,
     ) -> None:
         super().__init__()
-        check(
-            "env.http.url",
-            url,
-            isinstance(url, str) and url.startswith(("http://", "https://")),
-            "an http(s) URL",
-        )
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            raise ValueError(f"HttpTool: url={url!r} is not an http(s) URL")  # given by code, not config
         check("env.http.batch_size", batch_size, is_int(batch_size) and batch_size >= 1, "an int >= 1")
         check(
             "env.http.max_wait_s",
@@ -201,15 +211,11 @@ class HttpTool(Health):
 
     async def call(self, x: Any) -> Any:
         """The server's output for ``x``; raises ``RemoteError`` or ``RemoteDownError``."""
-        self._refuse_if_down()
+        self.check_health()
         loop = asyncio.get_running_loop()
         batcher = self._loops.get(id(loop))
         if batcher is None:
-            import httpx
-
-            client = httpx.AsyncClient(
-                timeout=self.timeout_s, headers=bearer(self.auth_env, "env.http.auth_env")
-            )
+            client = http_client(self.timeout_s, self.auth_env, "env.http.auth_env")
             batcher = self._loops[id(loop)] = _Batcher(client)
         fut: asyncio.Future = loop.create_future()
         batcher.queue.append((x, fut))
@@ -311,11 +317,22 @@ class Server:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}/"
+        asgi = self._guard(app or self._app)
         config = uvicorn.Config(
-            app or self._app, host=host, port=port, log_level="warning", lifespan="off", interface="asgi3"
+            asgi, host=host, port=port, log_level="warning", lifespan="off", interface="asgi3"
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="asyncrl-http-tool", daemon=True)
+
+    def _guard(self, app: Any) -> Callable:
+        async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+            try:
+                await app(scope, receive, send)
+            except asyncio.CancelledError:
+                if not self._server.should_exit:
+                    raise  # stop() drops requests in flight quietly; nothing else may
+
+        return guarded
 
     async def _app(self, scope: dict, receive: Callable, send: Callable) -> None:
         body = b""
@@ -333,26 +350,24 @@ class Server:
             payload, status = {"error": f"bad request: {type(e).__name__}: {e}"}, 400
         else:
             self.batches.append(len(inputs))
-            outputs, errors = [], []
-            for x in inputs:
-                try:
-                    y = await self.fn(x) if self._async else self.fn(x)
-                    json.dumps(y)  # an output that cannot be sent fails its input only
-                    outputs.append(y)
-                    errors.append(None)
-                except Exception as e:  # noqa: BLE001 - this input's failure, sent back as text
-                    outputs.append(None)
-                    errors.append(f"{type(e).__name__}: {e}")
-            payload, status = {"outputs": outputs, "errors": errors}, 200
-        data = json.dumps(payload).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": data})
+            results = [await self._one(x) for x in inputs]
+            payload, status = {"outputs": [y for y, _ in results], "errors": [e for _, e in results]}, 200
+        start = {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+        await send(start)
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+    async def _one(self, x: Any) -> tuple[Any, str | None]:
+        """(output, None), or (None, the error's text): one input's failure is its own."""
+        try:
+            y = await self.fn(x) if self._async else self.fn(x)
+            json.dumps(y)  # an output that cannot be sent fails its input only
+            return y, None
+        except Exception as e:  # noqa: BLE001 - sent back as text
+            return None, f"{type(e).__name__}: {e}"
 
     def start(self, timeout_s: float = 10.0) -> Server:
         self._thread.start()

@@ -116,13 +116,29 @@ def test_a_down_server_is_an_error_naming_the_url_within_seconds():
 
 
 def test_a_slow_server_times_out_within_timeout_s(stand_in):
-    stand_in.delay_s = 5.0
+    stand_in.delay_s = 30.0
     judge = ChatJudge(stand_in.url, model="m", timeout_s=0.5)
-    for score in (lambda: judge.reward(ROW, "x"), lambda: asyncio.run(judge.call("x"))):
+
+    def timed(score) -> float:
         t0 = time.monotonic()
-        with pytest.raises(RemoteTimeout, match=r"no answer within judge.timeout_s=0.5 s"):
+        with pytest.raises(RemoteTimeout, match=r"no answer within task.judge.timeout_s=0.5 s"):
             score()
-        assert time.monotonic() - t0 < 1.5
+        return time.monotonic() - t0
+
+    async def calls():
+        return [await _timed_async(judge) for _ in range(3)]
+
+    for seconds in (asyncio.run(calls()), [timed(lambda: judge.reward(ROW, "x")) for _ in range(3)]):
+        # after the first call (which makes the client): within timeout_s + 1 s, the faster of
+        # two (a busy shared machine can stall one), and none near the server's 30 s
+        assert min(seconds[1:]) < 0.5 + 1.0 and max(seconds) < 0.5 + 3.0, seconds
+
+
+async def _timed_async(judge: ChatJudge) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(RemoteTimeout, match=r"no answer within task.judge.timeout_s=0.5 s"):
+        await judge.call("x")
+    return time.monotonic() - t0
 
 
 def test_a_500_carries_the_servers_message(stand_in):
@@ -150,7 +166,7 @@ def test_the_api_key_comes_from_the_environment_and_never_into_a_pickle(stand_in
     assert b"sk-test-123" not in data and "sk-test-123" not in repr(judge)
     assert pickle.loads(data).reward(ROW, "x") == 0.8  # a worker process's copy works
     monkeypatch.delenv("ASYNCRL_TEST_JUDGE_KEY")
-    with pytest.raises(ConfigError, match="judge.auth_env.*ASYNCRL_TEST_JUDGE_KEY"):
+    with pytest.raises(ConfigError, match="task.judge.auth_env.*ASYNCRL_TEST_JUDGE_KEY"):
         ChatJudge(stand_in.url, model="m", auth_env="ASYNCRL_TEST_JUDGE_KEY")
 
 
@@ -178,18 +194,18 @@ def test_as_the_reward_of_a_task(stand_in):
 
 def test_bad_settings_name_the_field():
     for kwargs, name in [
-        ({"url": "judge:8000"}, "judge.url"),
-        ({"model": ""}, "judge.model"),
-        ({"timeout_s": 0}, "judge.timeout_s"),
-        ({"max_concurrency": 0}, "judge.max_concurrency"),
-        ({"temperature": -1.0}, "judge.temperature"),
-        ({"max_tokens": 0}, "judge.max_tokens"),
-        ({"template": "no field"}, "judge.template"),
-        ({"max_consecutive_failures": -1}, "judge.max_consecutive_failures"),
+        ({"url": "judge:8000"}, "task.judge.url"),
+        ({"model": ""}, "task.judge.model"),
+        ({"timeout_s": 0}, "task.judge.timeout_s"),
+        ({"max_concurrency": 0}, "task.judge.max_concurrency"),
+        ({"temperature": -1.0}, "task.judge.temperature"),
+        ({"max_tokens": 0}, "task.judge.max_tokens"),
+        ({"template": "no field"}, "task.judge.template"),
+        ({"max_consecutive_failures": -1}, "task.judge.max_consecutive_failures"),
     ]:
         with pytest.raises(ConfigError, match=name):
             ChatJudge(**{"url": "http://x", "model": "m", **kwargs})
     assert ChatJudge("http://x/v1/chat/completions", model="m").url == "http://x/v1/chat/completions"
     assert ChatJudge("http://x/", model="m").url == "http://x/v1/chat/completions"
-    with pytest.raises(ValueError, match=r"judge.template names \['answer'\]"):
+    with pytest.raises(ValueError, match=r"task.judge.template names \['answer'\]"):
         ChatJudge("http://x", model="m", template="{answer} {response}").prompt("r", {"id": 1})

@@ -189,22 +189,26 @@ def test_a_slow_server_times_out_per_request_naming_it():
     """``timeout_s`` bounds each request (the tool runner's own timeout is longer)."""
 
     async def slow(x):
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(30.0)
         return x
 
     s = serve(slow)
     tool = HttpTool(s.url, max_wait_s=0.0, timeout_s=0.5)
     runner = ToolRunner(timeout_s=10.0)
 
-    async def one():
-        return await runner.call(tool.call, "1+1")
+    async def calls():
+        return [await runner.call(tool.call, "1+1") for _ in range(3)]
 
     try:
-        result = asyncio.run(one())
+        results = asyncio.run(calls())
     finally:
         s.stop()
-    assert not result.ok and result.seconds < 1.5
-    assert s.url in result.output and "timeout_s=0.5" in result.output
+    for r in results:
+        assert not r.ok and s.url in r.output and "no answer within env.http.timeout_s=0.5 s" in r.output
+    # after the first call (which makes the client): within timeout_s + 1 s, the faster of two
+    # (a busy shared machine can stall one), and none near the server's 30 s
+    seconds = [r.seconds for r in results]
+    assert min(seconds[1:]) < 0.5 + 1.0 and max(seconds) < 0.5 + 3.0, seconds
 
 
 def test_the_auth_header_comes_from_an_environment_variable(server, monkeypatch):
