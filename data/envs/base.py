@@ -18,12 +18,14 @@ retries, a latency model); an exception there becomes an observation, never a cr
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from data.envs.tools import ToolRunner
-from modules.config.errors import check
+from modules.config.errors import ConfigError, check
 
 
 @dataclass
@@ -56,6 +58,73 @@ def turn_stats(episodes: list[list[dict]]) -> dict[str, float]:
     return out
 
 
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def episode_fits_engine(cfg: Any) -> None:
+    """Cross-field rule of every environment: the episode's token budget (``env.max_total_tokens``,
+    or ``rollout.sampling.max_tokens``) leaves room for a prompt within ``engine.max_model_len``,
+    and a model turn (``env.max_turn_tokens``) fits in the episode. The longest prompt of the task
+    is checked against the budget when the run starts (``RolloutDataModule.preflight``)."""
+    env, mml = cfg.env, cfg.engine.max_model_len
+    total = env.get("max_total_tokens")
+    budget = total if total is not None else cfg.rollout.sampling.max_tokens
+    field = "env.max_total_tokens" if total is not None else "rollout.sampling.max_tokens"
+    if isinstance(budget, int) and isinstance(mml, int):
+        check(
+            field,
+            budget,
+            budget + 16 <= mml,
+            f"an int that leaves room for the prompt within engine.max_model_len={mml}",
+        )
+    buffer = ((cfg.rollout.get("overlong") or {}).get("buffer")) or 0
+    if isinstance(budget, int) and isinstance(buffer, int) and buffer:
+        check(
+            "rollout.overlong.buffer",
+            buffer,
+            buffer < budget,
+            f"an int below the episode's budget {field}={budget}",
+        )
+    turn = env.get("max_turn_tokens")
+    if isinstance(turn, int) and isinstance(budget, int):
+        check(
+            "env.max_turn_tokens",
+            turn,
+            turn <= budget,
+            f"null or an int <= the episode's budget {field}={budget}",
+        )
+
+
+def stop_token_ids(tokenizer: Any, stops: tuple[str, ...]) -> tuple[int, ...]:
+    """The token id of each ``env.stop`` string; each must be exactly one token (checked at
+    start-up, ``RolloutDataModule.preflight``)."""
+    ids = []
+    for s in stops:
+        tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise ConfigError(
+                f"invalid config value env.stop={list(stops)!r}: must be strings of one token each "
+                f"for this tokenizer ({s!r} is {len(tokens)} tokens)"
+            )
+        ids.append(int(tokens[0]))
+    return tuple(ids)
+
+
+def check_episodes_fit(
+    env: Any, tokenizer: Any, prompts: list[str], max_tokens: int, max_model_len: int | None
+) -> None:
+    """Start-up check with the tokenizer: each ``env.stop`` is one token, and the longest prompt
+    plus the episode's budget fits ``engine.max_model_len`` (so no turn's context overflows)."""
+    stop_token_ids(tokenizer, env.stop)
+    budget = env.max_total_tokens or max_tokens
+    field = "env.max_total_tokens" if env.max_total_tokens else "rollout.sampling.max_tokens"
+    longest = max((len(tokenizer(p)["input_ids"]) for p in prompts), default=0)
+    if max_model_len is not None:
+        allowed = f"an int <= engine.max_model_len={max_model_len} - {longest} (the task's longest prompt)"
+        check(field, budget, longest + budget <= max_model_len, allowed)
+
+
 class Environment(ABC):
     """Base class of a multi-turn environment (one instance serves every episode of a run).
 
@@ -66,6 +135,9 @@ class Environment(ABC):
     (what ``rollout.sampling.max_tokens`` is for a one-turn task). A turn that the model ends
     with EOS ends the episode (the environment scores it)."""
 
+    # Rules relating this environment to other config groups (``modules/launch/validate.py``).
+    cross_field_rules: ClassVar[tuple[Callable[[Any], None], ...]] = (episode_fits_engine,)
+
     def __init__(
         self,
         max_turns: int = 4,
@@ -73,6 +145,9 @@ class Environment(ABC):
         stop: tuple[str, ...] | list[str] = (),
         tools: ToolRunner | None = None,
         max_turn_tokens: int | None = None,
+        call_timeout_s: float = 60.0,
+        episode_timeout_s: float | None = 600.0,
+        workers: int = 16,
     ) -> None:
         check("env.max_turns", max_turns, isinstance(max_turns, int) and max_turns >= 1, "an int >= 1")
         check(
@@ -93,14 +168,26 @@ class Environment(ABC):
             max_turn_tokens is None or (isinstance(max_turn_tokens, int) and max_turn_tokens >= 1),
             "null (no cap but the episode's) or an int >= 1",
         )
+        check("env.call_timeout_s", call_timeout_s, _positive(call_timeout_s), "a finite float > 0 (seconds)")
+        check(
+            "env.episode_timeout_s",
+            episode_timeout_s,
+            episode_timeout_s is None or _positive(episode_timeout_s),
+            "null (no deadline) or a finite float > 0 (seconds in environment calls per episode)",
+        )
+        check("env.workers", workers, isinstance(workers, int) and workers >= 1, "an int >= 1 (threads)")
+        self.call_timeout_s = float(call_timeout_s)
+        self.episode_timeout_s = None if episode_timeout_s is None else float(episode_timeout_s)
+        self.workers = workers
         self.max_turn_tokens = max_turn_tokens
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.stop = tuple(stop)
         self.tools = tools if tools is not None else ToolRunner()
 
-    async def reset(self, row: dict) -> Any:
-        """The state of a new episode on dataset row ``row`` (passed back to every ``step``)."""
+    async def reset(self, row: dict, seed: int | None = None) -> Any:
+        """The state of a new episode on dataset row ``row`` (passed back to every ``step``);
+        ``seed`` is distinct per episode (an override that does not take it gets none)."""
         return {"row": row}
 
     @abstractmethod
@@ -113,6 +200,14 @@ class Environment(ABC):
         earned)."""
         return float(sum(rewards))
 
+    def cleanup(self, state: Any, reason: str) -> None:
+        """Called once for every episode that ``reset`` started, however it ends: ``reason`` is
+        ``done``, ``truncated``, ``error``, ``cancelled`` (its group was cancelled or dropped
+        while generating) or ``teardown`` (the run stopped, e.g. after a checkpoint re-queued its
+        prompt). Free what ``reset`` took (a sandbox, a container, a connection) here. May be a
+        coroutine; runs off the episode loop, bounded by ``call_timeout_s``."""
+        return None
+
     def close(self) -> None:
         self.tools.close()
 
@@ -123,6 +218,9 @@ class SingleTurn(Environment):
     def __init__(self, task: Any) -> None:
         super().__init__(max_turns=1)
         self.task = task
+
+    async def reset(self, row: dict, seed: int | None = None) -> Any:
+        return {"row": row}
 
     async def step(self, state: Any, turn: str) -> Step:
         return Step(reward=float(self.task.reward(state["row"], turn)), done=True)

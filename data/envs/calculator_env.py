@@ -9,9 +9,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from data.envs.base import Environment, Step
-from data.tasks.calculator import answer
+from omegaconf import DictConfig
 
+from data.envs.base import Environment, Step
+from data.envs.tools import ToolRunner
+from data.tasks.calculator import answer
+from modules.config.errors import check
+
+# what env.http may set (data/envs/http.py, HttpTool's fields)
+HTTP_FIELDS = frozenset(("batch_size", "max_wait_s", "timeout_s", "max_consecutive_failures", "auth_env"))
 CALL = re.compile(r"^(\d{1,4})([*+-])(\d{1,4})$")  # what the calculator takes
 
 
@@ -32,9 +38,35 @@ class CalculatorEnv(Environment):
     local HTTP server this environment starts, called with request batching
     (``data/envs/http.py``), as a remote tool would be."""
 
-    def __init__(self, http: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("stop", ("=",))
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        max_turns: int = 4,
+        max_total_tokens: int | None = None,
+        stop: tuple[str, ...] | list[str] = ("=",),
+        tools: ToolRunner | None = None,
+        max_turn_tokens: int | None = None,
+        call_timeout_s: float = 60.0,
+        episode_timeout_s: float | None = 600.0,
+        workers: int = 16,
+        http: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            max_turns,
+            max_total_tokens,
+            stop,
+            tools,
+            max_turn_tokens,
+            call_timeout_s,
+            episode_timeout_s,
+            workers,
+        )
+        check(
+            "env.http",
+            http,
+            http is None or (isinstance(http, dict | DictConfig) and set(http) <= HTTP_FIELDS),
+            f"null or a mapping of {', '.join(sorted(HTTP_FIELDS))} (quote it in a shell: "
+            "'env.http={batch_size:16,timeout_s:10.0}')",
+        )
         self.server = self.remote = None
         self.tool: Any = calculate
         if http is not None:

@@ -27,13 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextvars
+import hashlib
+import inspect
+import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from data.envs.base import Environment, Step
+from data.envs.base import Environment, Step, stop_token_ids
+from data.envs.env_calls import Deadline, EnvCalls, EnvironmentFault
+from data.envs.http import remote_tools
+from data.envs.tools import PHASE
 from modules.engine.loop_thread import LoopThread
 from modules.engine.types import Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,32 +55,35 @@ class EpisodeState:
     rewards: list[float] = field(default_factory=list)
     turn_start: int = 0  # index (in the episode's tokens) where the current model turn began
     turn_versions: set[int] = field(default_factory=set)  # versions that wrote the current turn
+    deadline: Deadline = field(default_factory=lambda: Deadline(None))  # env time left
+    row: dict | None = None
+    seed: int = 0
 
 
-def stop_token_ids(tokenizer: Any, stops: tuple[str, ...]) -> tuple[int, ...]:
-    """The token id of each ``env.stop`` string; each must be exactly one token."""
-    ids = []
-    for s in stops:
-        tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
-        if len(tokens) != 1:
-            raise ValueError(
-                f"env.stop: {s!r} is {len(tokens)} tokens for this tokenizer; each stop must be one token"
-            )
-        ids.append(int(tokens[0]))
-    return tuple(ids)
+def turn_seed(seed: int, turn: int) -> int:
+    """A sampling seed per (episode seed, request): distinct across the members of a group and
+    their turns (a hash, not ``seed + turn``, which collides between neighbouring members)."""
+    digest = hashlib.blake2b(f"{seed}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 class EpisodeRunner:
-    def __init__(self, engine: Any, env: Environment, tokenizer: Any) -> None:
+    def __init__(self, engine: Any, env: Environment, tokenizer: Any, on_error: str = "fail") -> None:
         self.engine = engine
         self.env = env
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids(tokenizer, env.stop)
+        self.calls = EnvCalls(env, on_error)
         self._thread: LoopThread | None = None
+        self._lock = threading.Lock()
+        self._handed: set[cf.Future] = set()  # episode futures not resolved yet
+        self._open: dict[int, EpisodeState] = {}  # episodes reset and not cleaned up (aborted too)
+        self._closing = False
+        self._reset_takes_seed = "seed" in inspect.signature(env.reset).parameters
 
     def _loop(self) -> LoopThread:
         if self._thread is None:
-            thread = LoopThread("asyncrl-env")
+            thread = LoopThread("asyncrl-env", on_death=self._loop_died)
 
             async def ready() -> None:
                 return None
@@ -78,6 +91,20 @@ class EpisodeRunner:
             thread.start(ready, timeout_s=30)
             self._thread = thread
         return self._thread
+
+    def check_health(self) -> None:
+        """Raise ``EnvironmentFault`` if the episode loop died (its futures are failed too)."""
+        thread = self._thread
+        if thread is not None and (thread.error is not None or not thread.alive) and not self._closing:
+            raise self.calls.fault("the episode loop", None, f"its thread died: {thread.error!r}")
+
+    def _loop_died(self, error: BaseException) -> None:
+        fault = self.calls.fault("the episode loop", None, f"its thread died: {error!r}")
+        with self._lock:
+            handed, self._handed = list(self._handed), set()
+        for fut in handed:
+            if not fut.done():
+                fut.set_exception(fault)
 
     def budget(self, sampling: SamplingConfig) -> int:
         """Tokens an episode may hold after its prompt (model and observation alike)."""
@@ -92,13 +119,37 @@ class EpisodeRunner:
         request_id: str,
         prefix_ids: list[int] | None = None,
         episode: EpisodeState | None = None,
+        phase: str = "train",
     ) -> cf.Future:
         """Run (or, with ``prefix_ids`` and ``episode``, resume) an episode; the future
-        resolves to its ``Completion`` (tokens after ``prompt_ids + prefix_ids``)."""
+        resolves to its ``Completion`` (tokens after ``prompt_ids + prefix_ids``), or fails with
+        ``EnvironmentFault`` (``on_error=fail``, or the episode loop died)."""
+        self.check_health()
         coro = self._episode(
             list(prompt_ids), row, sampling, seed, request_id, list(prefix_ids or []), episode
         )
-        return self._loop().run(coro)
+        context = contextvars.copy_context()
+        context.run(PHASE.set, phase)
+        outer: cf.Future = cf.Future()
+        inner = context.run(self._loop().run, coro)
+        with self._lock:
+            self._handed.add(outer)
+
+        def settle(f: cf.Future) -> None:
+            with self._lock:
+                self._handed.discard(outer)
+            if outer.done():
+                return
+            if f.cancelled():
+                outer.cancel()
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+            else:
+                outer.set_result(f.result())
+
+        inner.add_done_callback(settle)
+        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        return outer
 
     async def _episode(
         self,
@@ -110,21 +161,60 @@ class EpisodeRunner:
         prefix: list[int],
         state: EpisodeState | None,
     ) -> Completion:
-        env = self.env
+        """One episode (or the rest of an aborted one), with its lifecycle: ``reset`` on a new
+        one, ``cleanup`` however it ends (an aborted one stays open until it is resumed or the
+        runner closes), and the fault contract (``env_calls.py``)."""
         if state is None:
+            state = EpisodeState(row=row, seed=seed, deadline=Deadline(self.env.episode_timeout_s))
             try:
-                state = EpisodeState(env_state=await env.reset(row))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the environment's bug scores the episode 0
-                error = {
-                    "env_error": f"reset: {type(e).__name__}: {e}",
-                    "span": [0, 0],
-                    "observation": [0, 0],
-                }
+                args = (row, seed) if self._reset_takes_seed else (row,)
+                state.env_state = await self.calls.call("reset", row, state.deadline, *args)
+            except EnvironmentFault as fault:
+                error = {"env_error": str(fault), "span": [0, 0], "observation": [0, 0]}
+                self._fault(fault)  # raises under on_error=fail
                 return Completion(
                     rid, prompt_ids, [], [], "stop", 0.0, 0.0, loss_mask=[], reward=0.0, turns=[error]
                 )
+            self._open[id(state)] = state
+        reason = "cancelled"
+        try:
+            comp = await self._turns(prompt_ids, row, sampling, rid, prefix, state)
+            reason = "open" if comp.finish_reason == "abort" else "truncated" if comp.truncated else "done"
+            return comp
+        except EnvironmentFault:
+            reason = "error"
+            raise
+        finally:
+            if reason != "open":
+                await self._cleanup(state, "teardown" if self._closing else reason)
+
+    def _fault(self, fault: EnvironmentFault) -> None:
+        """The fault contract: raise under ``on_error=fail``; else count it (the caller scores 0)."""
+        if self.calls.on_error == "fail":
+            raise fault
+        self.calls.count(PHASE.get(), fault.method)
+
+    async def _cleanup(self, state: EpisodeState, reason: str) -> None:
+        if self._open.pop(id(state), None) is None:
+            return
+        try:
+            await asyncio.shield(
+                self.calls.call("cleanup", state.row, Deadline(None), state.env_state, reason)
+            )
+        except EnvironmentFault as fault:  # counted, never fatal: the episode is over
+            self.calls.count(PHASE.get(), "cleanup")
+            log.warning("%s", fault)
+
+    async def _turns(
+        self,
+        prompt_ids: list[int],
+        row: dict,
+        sampling: SamplingConfig,
+        rid: str,
+        prefix: list[int],
+        state: EpisodeState,
+    ) -> Completion:
+        env = self.env
         budget = self.budget(sampling)
         tokens: list[int] = []  # this submission's tokens (after prompt + prefix)
         logprobs: list[float] = []
@@ -150,8 +240,9 @@ class EpisodeRunner:
                 comp = Completion(sub, [], [], [], "length", time.time(), time.time(), [])
             else:
                 turn_sampling = replace(sampling, max_tokens=cap, stop_token_ids=self.stop_token_ids)
+                seed = turn_seed(state.seed, len(state.turns) * 1000 + k)
                 fut = self.engine.submit(
-                    prompt_ids + prefix + tokens, turn_sampling, seed=seed + 7 * k, request_id=sub
+                    prompt_ids + prefix + tokens, turn_sampling, seed=seed, request_id=sub
                 )
                 comp = await asyncio.wrap_future(fut)
             state.turn_versions |= {v for v, s, e in comp.version_spans if e > s}
@@ -175,7 +266,7 @@ class EpisodeRunner:
                 "stop": bool(ended_by_stop),
             }
             t_step = time.monotonic()
-            step = await self._step(state, text)  # every turn is answered, the last one scored
+            step = await self._step(state, text, row)  # every turn is answered, the last one scored
             end += time.monotonic() - t_step  # the episode lasts until its environment answers
             room = budget - len(prefix) - len(tokens)
             last = len(state.turns) + 1 >= env.max_turns  # no model turn would read an observation
@@ -196,12 +287,19 @@ class EpisodeRunner:
         reward = None
         if finish != "abort":
             try:
-                reward = env.final_reward(state.env_state, state.rewards, truncated)
-            except Exception as e:  # noqa: BLE001 - as a failing step: the episode scores 0
+                reward = await self.calls.call(
+                    "final_reward", row, state.deadline, state.env_state, state.rewards, truncated
+                )
+                reward = float(reward)
+            except EnvironmentFault as fault:
+                self._fault(fault)
                 reward = 0.0
-                state.turns[-1:] = [
-                    {**(state.turns[-1] if state.turns else {}), "env_error": f"final_reward: {e!r}"}
-                ]
+                state.turns[-1:] = [{**(state.turns[-1] if state.turns else {}), "env_error": str(fault)}]
+            except (TypeError, ValueError) as e:  # not a number
+                fault = self.calls.fault("final_reward", row, f"returned {reward!r}, not a number ({e})")
+                self._fault(fault)
+                reward = 0.0
+                state.turns[-1:] = [{**(state.turns[-1] if state.turns else {}), "env_error": str(fault)}]
         comp = Completion(
             rid,
             prompt_ids,
@@ -223,13 +321,16 @@ class EpisodeRunner:
         """Tokens the current model turn already holds (a turn resumed after an abort)."""
         return len(prefix) + len(tokens) - state.turn_start
 
-    async def _step(self, state: EpisodeState, text: str) -> Step:
+    async def _step(self, state: EpisodeState, text: str, row: dict) -> Step:
         try:
-            step = await self.env.step(state.env_state, text)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the environment's own bug ends the episode, scored 0
-            step = Step(observation="", reward=0.0, done=True, info={"env_error": f"{type(e).__name__}: {e}"})
+            step = await self.calls.call("step", row, state.deadline, state.env_state, text)
+            if not isinstance(step, Step):
+                raise self.calls.fault("step", row, f"returned {type(step).__name__}, not a Step")
+        except EnvironmentFault as fault:  # scored 0 and counted, or (on_error=fail) raised
+            self._fault(fault)
+            step = Step(observation="", reward=0.0, done=True, info={"env_error": str(fault)})
+        for tool in remote_tools(self.env):  # a server past its failure threshold stops the run
+            tool.check_health()
         state.rewards.append(float(step.reward))
         return step
 
@@ -241,8 +342,24 @@ class EpisodeRunner:
         # once, without BOS: the observation's ids are appended as they are
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def close(self) -> None:
+    def take_stats(self, phase: str = "train") -> dict[str, float]:
+        """Environment errors and the tools' counters of ``phase`` since the last call."""
+        return {**self.calls.take_stats(phase), **self.env.tools.take_stats(phase)}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the episode loop (episodes in flight are cancelled and cleaned up, reason
+        ``teardown``), clean up the episodes still open (aborted, never resumed), then close
+        the environment."""
+        self._closing = True
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+        for state in list(self._open.values()):
+            self._open.pop(id(state), None)
+            try:
+                self.calls.run_sync("cleanup", state.row, timeout_s, state.env_state, "teardown")
+            except EnvironmentFault as fault:
+                self.calls.count("train", "cleanup")
+                log.warning("%s", fault)
+        self.calls.close()
         self.env.close()

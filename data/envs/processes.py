@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from data.envs.tools import on_daemon_thread
+from data.envs.threads import on_daemon_thread
 
 
 def _limit(memory_mb: int | None) -> None:

@@ -28,7 +28,8 @@ request batching (``http.py``); a CPU-bound one runs in a killable process (``pr
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -40,7 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data.envs.threads import DaemonPool, ToolExit, describe
 from modules.config.errors import check, is_count
+
+# Whose counters a call goes to: training's or evaluation's episodes (set per episode).
+PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("asyncrl_tool_phase", default="train")
 
 MAX_RETRIES = 10
 
@@ -143,19 +148,23 @@ class ToolRunner:
         self.deadline_s = float(deadline_s) if deadline_s is not None else None
         self.latency = latency if latency is not None else Latency()
         self._rng = random.Random(seed)
-        self._sems: dict[int, asyncio.Semaphore] = {}  # one per event loop that runs calls
+        # one limit for every thread and loop that runs calls (episodes' environment calls
+        # run on loops of their own: data/envs/env_calls.py)
+        self._slots = threading.BoundedSemaphore(concurrency)
         self._pool: DaemonPool | None = None  # started at the first plain-function call
         self._lock = threading.Lock()
-        self.calls = self.errors = self.timeouts = 0
-        self.seconds: list[float] = []  # every call's wall time (percentiles in the metrics)
+        # per phase (train / eval, PHASE): calls, errors, timeouts, every call's wall time
+        self._counts: dict[str, list] = {}
 
-    def _semaphore(self) -> asyncio.Semaphore:
-        """The concurrency limit of the running loop (a semaphore belongs to one loop)."""
-        loop = id(asyncio.get_running_loop())
-        with self._lock:
-            if loop not in self._sems:
-                self._sems = {loop: asyncio.Semaphore(self.concurrency)}  # the old loop is gone
-            return self._sems[loop]
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> Any:
+        """One of ``concurrency`` places, waited for without blocking the loop."""
+        while not self._slots.acquire(blocking=False):
+            await asyncio.sleep(0.005)
+        try:
+            yield
+        finally:
+            self._slots.release()
 
     def _threads(self) -> DaemonPool:
         with self._lock:
@@ -168,7 +177,7 @@ class ToolRunner:
         awaiting call through)."""
         t0 = time.monotonic()
         result = ToolResult(ok=False)
-        async with self._semaphore():
+        async with self._slot():
             start = time.monotonic()
             deadline = start + (self.deadline_s or 0.0)
             for attempt in range(1, self.retries + 2):
@@ -191,10 +200,11 @@ class ToolRunner:
                     break
         result.seconds = time.monotonic() - t0
         with self._lock:
-            self.calls += 1
-            self.errors += not result.ok
-            self.timeouts += result.timed_out and not result.ok
-            self.seconds.append(result.seconds)
+            counts = self._counts.setdefault(PHASE.get(), [0, 0, 0, []])
+            counts[0] += 1
+            counts[1] += not result.ok
+            counts[2] += result.timed_out and not result.ok
+            counts[3].append(result.seconds)
         return result
 
     async def _attempt(self, fn: Callable[..., Any], args: tuple, delay: float, limit: float) -> tuple:
@@ -232,12 +242,11 @@ class ToolRunner:
         except BaseException as e:  # noqa: BLE001 - SystemExit etc. would stop the loop
             raise ToolExit(fn, e) from None
 
-    def take_stats(self) -> dict[str, float]:
-        """Counters and latency percentiles since the last call (for the step's metrics)."""
+    def take_stats(self, phase: str = "train") -> dict[str, float]:
+        """Counters and latency percentiles of ``phase``'s calls since the last call."""
         with self._lock:
-            secs, self.seconds = sorted(self.seconds), []
-            calls, errors, timeouts = self.calls, self.errors, self.timeouts
-            self.calls = self.errors = self.timeouts = 0
+            calls, errors, timeouts, secs = self._counts.pop(phase, [0, 0, 0, []])
+            secs = sorted(secs)
         out = {
             "env/tool_calls": float(calls),
             "env/tool_errors": float(errors),
@@ -251,31 +260,9 @@ class ToolRunner:
     def close(self) -> None:
         """Idle pool threads exit (a hung one when its tool returns); a later call starts anew."""
         with self._lock:
-            self._sems = {}
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-
-class ToolExit(Exception):
-    """A tool raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
-    ``KeyboardInterrupt``, ``GeneratorExit``, a ``CancelledError`` of its own), carried as an
-    ``Exception``: it reaches the call as a tool error and cannot stop the event loop."""
-
-    def __init__(self, fn: Callable[..., Any], error: BaseException) -> None:
-        self.tool, self.error = tool_name(fn), error
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        super().__init__(f"{text} (raised by the tool {self.tool})")
-
-
-def describe(error: BaseException) -> str:
-    return str(error) if isinstance(error, ToolExit) else f"{type(error).__name__}: {error}"
-
-
-def tool_name(fn: Callable[..., Any]) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -289,111 +276,3 @@ def is_async(fn: Callable[..., Any]) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return inspect.iscoroutinefunction(fn)
-
-
-class _Job:
-    __slots__ = ("fn", "args", "loop", "fut")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple, loop: asyncio.AbstractEventLoop) -> None:
-        self.fn, self.args, self.loop, self.fut = fn, args, loop, loop.create_future()
-
-    def run(self) -> None:
-        """On a thread: ``fn(*args)``, whatever it raises handed to the awaiting call."""
-        value, error = None, None
-        try:
-            value = self.fn(*self.args)
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting call
-            error = e
-        except BaseException as e:  # noqa: BLE001 - as an Exception: it must not stop the loop
-            error = ToolExit(self.fn, e)
-        self.settle(value, error)
-
-    def settle(self, value: Any, error: BaseException | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(_settle, self.fut, value, error)
-        except RuntimeError:  # the loop closed meanwhile (the run ended): nobody waits
-            pass
-
-
-class DaemonPool:
-    """At most ``size`` daemon threads for plain-function tools; a call waits (first come,
-    first served) for a free one, and one cancelled while it waits never runs. A thread exits
-    after ``idle_s`` without work or at ``close``; one whose tool hangs is held until it
-    returns."""
-
-    def __init__(self, size: int, idle_s: float = 30.0, name: str = "asyncrl-tool") -> None:
-        self.size, self.idle_s, self.name = size, idle_s, name
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self.live = 0  # threads alive
-        self._waiting = 0  # idle threads waiting for a job
-        self._closed = False
-
-    async def run(self, fn: Callable[..., Any], args: tuple) -> Any:
-        job = _Job(fn, args, asyncio.get_running_loop())
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the tool runner is closed")
-            self._jobs.append(job)
-            if len(self._jobs) > self._waiting and self.live < self.size:
-                self._start(job)
-            self._cond.notify()
-        try:
-            return await job.fut
-        except asyncio.CancelledError:  # timed out or cancelled: a job still waiting never runs
-            with self._cond:
-                if job in self._jobs:
-                    self._jobs.remove(job)
-            raise
-
-    def _start(self, job: _Job) -> None:
-        self.live += 1
-        try:
-            threading.Thread(target=self._work, name=self.name, daemon=True).start()
-        except BaseException:
-            self.live -= 1
-            self._jobs.remove(job)
-            raise
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    if self._closed:
-                        self.live -= 1
-                        return
-                    self._waiting += 1
-                    woken = self._cond.wait(self.idle_s)
-                    self._waiting -= 1
-                    if not woken and not self._jobs:
-                        self.live -= 1
-                        return
-                job = self._jobs.popleft()
-            job.run()
-            del job  # not kept alive (its arguments, its output) while the thread waits
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            jobs, self._jobs = list(self._jobs), collections.deque()
-            self._cond.notify_all()
-        for job in jobs:
-            job.settle(None, RuntimeError("the tool runner was closed"))
-
-
-async def on_daemon_thread(fn: Callable[..., Any], args: tuple) -> Any:
-    """``fn(*args)`` on a new daemon thread, for a call that ends when its own resource does
-    (``processes.py``: a wait on a worker that a timeout kills); any ``BaseException`` comes
-    back as an ``Exception``. Tools go through ``ToolRunner``'s bounded pool instead."""
-    job = _Job(fn, args, asyncio.get_running_loop())
-    threading.Thread(target=job.run, name="asyncrl-tool-wait", daemon=True).start()
-    return await job.fut
-
-
-def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if fut.done():  # timed out or cancelled meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
+from data.envs.http import RemoteDownError
 from data.rollout.bias import BiasTracker
 from data.rollout.experience import Experience
 from data.rollout.handoff import HandOff
@@ -174,8 +175,8 @@ class RolloutController(HandOff):
             if self._rewards is None:  # never inline with a timeout: it could hang this thread
                 raise RewardWorkerError("reward runner is closed")
             return self._rewards(row, text)
-        except RewardWorkerError:  # the runner is broken or closed: no single reward to zero
-            raise
+        except (RewardWorkerError, RemoteDownError):  # the runner is broken, the server down:
+            raise  # no single reward to zero; the run stops naming it
         except Exception as e:
             if self.reward_errors == "zero":
                 self.reward_error_count += 1
@@ -285,7 +286,9 @@ class RolloutController(HandOff):
         # an episode's observation tokens are context, not trained on (mask 0)
         mask = p.prefix_mask + self._mask(comp) if comp.loss_mask is not None or p.prefix_mask else None
         if self.overlong is not None:
-            reward += self.overlong.length_penalty(len(token_ids), budget)
+            # the model's own tokens against the budget (an episode's observations are not its length)
+            length = len(token_ids) if mask is None else sum(mask)
+            reward += self.overlong.length_penalty(length, budget)
             cut = self.overlong.mask(truncated, len(token_ids))
             mask = cut if mask is None or cut is None else [a * b for a, b in zip(mask, cut)]
         exp = Experience(

@@ -29,6 +29,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from data.envs.base import check_episodes_fit
 from data.envs.episodes import EpisodeRunner
 from data.rollout.batches import minibatches, rollout_stats
 from data.rollout.controller import RolloutContext, RolloutController
@@ -111,6 +112,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.shuffle_rng = random.Random(seed)  # minibatch order; checkpointed
         self.world_size, self.rank = 1, 0  # DDP ranks, set in setup()
         self.tokenizer: Any = None
+        self.train_rows: list[dict] | None = None
         self.prompts: PromptStream | None = None
         self.evaluator: HeldOutEvaluator | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -118,13 +120,29 @@ class RolloutDataModule(L.LightningDataModule):
         self._resumed: dict[str, Any] | None = None  # one a checkpoint saved part-way through
 
     # ------------------------------------------------------------------ lifecycle
+    def preflight(self, max_model_len: int | None) -> None:
+        """Start-up checks that need the tokenizer and the task's rows, before the engine or a
+        model is built (``modules/launch/start.py``): an environment's stops and episode budget
+        (``data.envs.base.check_episodes_fit``)."""
+        if self.env is None or not Path(self.engine.model_path, "config.json").exists():
+            return  # no episodes, or no model yet (preflight's own check names the path)
+        self._load_tokenizer()
+        self.train_rows = list(self.task.build("train", self.train_size))
+        prompts = [self.task.prompt_text(r) for r in self.train_rows]
+        check_episodes_fit(self.env, self.tokenizer, prompts, self.rollout.sampling.max_tokens, max_model_len)
+
+    def _load_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_path)
+
     def setup(self, stage: str | None = None) -> None:
         if self.prompts is not None:
             return
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_path)
-        self.train_rows = list(self.task.build("train", self.train_size))
+        self._load_tokenizer()
+        if self.train_rows is None:
+            self.train_rows = list(self.task.build("train", self.train_size))
         self.eval_rows = list(self.task.build("eval", self.eval_size)) if self.eval_size else []
         self.prompts = PromptStream(self.train_rows, seed=self.seed)
         if self._pending_state is not None:
@@ -146,7 +164,7 @@ class RolloutDataModule(L.LightningDataModule):
             return
         self.engine.start()
         if self.env is not None:
-            self.episodes = EpisodeRunner(self.engine, self.env, self.tokenizer)
+            self.episodes = EpisodeRunner(self.engine, self.env, self.tokenizer, self.rollout.reward_errors)
         self.rollout.bind(
             RolloutContext(
                 self.engine,
@@ -196,7 +214,7 @@ class RolloutDataModule(L.LightningDataModule):
                 **self.rollout.stats,
                 **self.rollout.bias.metrics(),
                 "rollout/reward_errors": float(self.rollout.reward_error_count),
-                **(self.env.tools.take_stats() if self.env is not None else {}),
+                **(self.episodes.take_stats("train") if self.episodes is not None else {}),
             }
             stats["perf/rollout_wait_s"] = waited
             # Weight sync trigger: every `sync_every` rollout batches, or once `sync_every_s`

@@ -62,6 +62,8 @@ class HeldOutEvaluator:
             out.update({f"eval/sampled_{k}": v for k, v in sampled["episodes"].items()})
             out.update({f"eval/sampled_reward_level{lv}": r for lv, r in sampled["levels"].items()})
             out.update({f"eval/sampled_exact_level{lv}": r for lv, r in sampled["exact_levels"].items()})
+        if self.episodes is not None:  # evaluation's environment and tool counters, apart from training's
+            out.update({f"eval/{k}": v for k, v in self.episodes.take_stats("eval").items()})
         return out
 
     def _pass(self, sampling: SamplingConfig, n: int) -> dict[str, Any]:
@@ -71,7 +73,7 @@ class HeldOutEvaluator:
             for k in range(n):
                 rid = f"eval-{time.time_ns()}-{i}-{k}"
                 if self.episodes is not None:
-                    fut = self.episodes.submit(ids, row, sampling, 1000 * i + k, rid)
+                    fut = self.episodes.submit(ids, row, sampling, 1000 * i + k, rid, phase="eval")
                 else:
                     fut = self.engine.submit(ids, sampling, seed=1000 * i + k, request_id=rid)
                 futs[fut] = (i, row)

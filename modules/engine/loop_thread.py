@@ -22,8 +22,11 @@ from modules.engine.types import EngineError
 
 
 class LoopThread:
-    def __init__(self, name: str, drain_s: float = 5.0) -> None:
+    def __init__(
+        self, name: str, drain_s: float = 5.0, on_death: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.name = name
+        self.on_death = on_death  # called (on this thread) if the loop dies of an error
         self.drain_s = drain_s  # how long tasks still pending at stop get to unwind (see _drain)
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -65,6 +68,8 @@ class LoopThread:
             loop.run_forever()
         except BaseException as e:
             self.error = e
+            if self.on_death is not None:
+                self.on_death(e)  # e.g. fail the futures handed out: no caller waits on a dead loop
         finally:
             try:
                 if self.error is None:  # a clean stop; a loop that died keeps its error for check_health

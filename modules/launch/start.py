@@ -34,5 +34,6 @@ def build_run(cfg: DictConfig) -> tuple[Any, Any, Any]:
         callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values()]
         loggers = [build(c) for c in (cfg.get("logger") or {}).values()]
         check_environment(cfg)  # files that must exist, cores / GPUs / memory this machine has
+        datamodule.preflight((cfg.get("engine") or {}).get("max_model_len"))  # tokenizer, prompts
         trainer: L.Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
     return datamodule, module, trainer

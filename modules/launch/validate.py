@@ -40,7 +40,7 @@ FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
 # Cross-field rules kept beside the class they concern (a ``cross_field_rules`` tuple on the
 # class), found through the ``_target_`` of these config nodes; e.g. ``rollout.staleness``:
 # data/rollout/staleness.py, recompute_needs_bypass_anchor.
-RULE_HOLDERS = ("rollout.staleness",)
+RULE_HOLDERS = ("rollout.staleness", "env")
 
 
 def class_rules(cfg: DictConfig) -> list[Callable[[DictConfig], None]]:

@@ -42,7 +42,11 @@ VARIANTS = [
     ["recipe=agent_calculator"],
     ["recipe=agent_calculator", "env.tools.latency._target_=data.envs.tools.LogNormal"],
     ["recipe=agent_calculator", "env.tools.latency._target_=data.envs.tools.Trace"],
-    ["recipe=agent_calculator", "env.http={batch_size:16,max_wait_s:0.005,timeout_s:10.0}"],
+    [
+        "recipe=agent_calculator",
+        "env.http={batch_size:16,max_wait_s:0.005,timeout_s:10.0,max_consecutive_failures:20,auth_env:null}",
+    ],
+    ["recipe=gsm8k_grpo", "task=judged_gsm8k"],
     ["rollout/overlong=filter"],
     ["trainer=fsdp_cpu"],
     *[[f"algo/correction={p.stem}"] for p in sorted((ROOT / "conf/algo/correction").glob("*.yaml"))],

@@ -293,8 +293,15 @@ class BrokenReset(Calc):
 
 
 def test_an_environment_that_fails_to_reset_scores_the_episode_zero():
-    comp = run(EpisodeRunner(ScriptedEngine(["221.\x01"]), BrokenReset(), TOK))
-    assert comp.reward == 0.0 and comp.token_ids == [] and "reset: KeyError" in comp.turns[0]["env_error"]
+    # under data.reward_errors=zero; the default (fail) stops the run: test_episode_faults.py
+    runner = EpisodeRunner(ScriptedEngine(["221.\x01"]), BrokenReset(), TOK, "zero")
+    comp = run(runner)
+    assert (
+        comp.reward == 0.0
+        and comp.token_ids == []
+        and "reset on prompt id 0: KeyError" in comp.turns[0]["env_error"]
+    )
+    assert runner.take_stats()["env/env_errors_reset"] == 1
 
 
 def test_a_coroutine_tool_behind_a_partial_is_awaited():

@@ -1,0 +1,288 @@
+"""The agent path under faults (docs/envs.md, "Faults and the episode lifecycle"): an
+environment that raises, blocks or exits is one named error or a counted zero, never a silent
+zero, a dead loop or a stall; every episode is cleaned up however it ends; seeds are distinct."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+
+from data.envs.base import Step, check_episodes_fit, episode_fits_engine
+from data.envs.env_calls import EnvironmentFault
+from data.envs.episodes import EpisodeRunner
+from modules.config.errors import ConfigError
+from tests.unit.test_episodes import PROMPT, ROW, SAMPLING, TOK, Calc, ScriptedEngine, run
+
+
+class Faulty(Calc):
+    """Raises ``error`` in ``method`` (reset, step or final_reward)."""
+
+    def __init__(self, method: str, error: BaseException, **kw) -> None:
+        super().__init__(**kw)
+        self.method, self.error = method, error
+
+    async def reset(self, row, seed=None):
+        if self.method == "reset":
+            raise self.error
+        return await super().reset(row)
+
+    async def step(self, state, turn):
+        if self.method == "step":
+            raise self.error
+        return await super().step(state, turn)
+
+    def final_reward(self, state, rewards, truncated):
+        if self.method == "final_reward":
+            raise self.error
+        return super().final_reward(state, rewards, truncated)
+
+
+METHODS = ["reset", "step", "final_reward"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_environment_error_fails_the_episode_naming_env_method_and_prompt(method):
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Faulty(method, KeyError("x")), TOK)
+    with pytest.raises(EnvironmentFault, match=f"Faulty failed in {method} on prompt id 0: KeyError"):
+        run(runner)
+    runner.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_under_zero_an_environment_error_scores_zero_and_is_counted(method):
+    runner = EpisodeRunner(
+        ScriptedEngine(["13*17=", "221.\x01"]), Faulty(method, ValueError("x")), TOK, "zero"
+    )
+    comp = run(runner)
+    assert comp.reward == 0.0 and any(method in t.get("env_error", "") for t in comp.turns)
+    stats = runner.take_stats("train")
+    assert stats["env/env_errors"] == 1 and stats[f"env/env_errors_{method}"] == 1
+    assert runner.take_stats("train")["env/env_errors"] == 0  # counted once
+    runner.close()
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+def test_a_base_exception_from_the_environment_never_kills_the_loop(error):
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Faulty("step", error), TOK, "zero")
+    assert run(runner).reward == 0.0
+    runner.env.method = None  # the next episode runs normally on the same loop
+    assert run(runner).reward == 1.0
+    runner.check_health()
+    runner.close()
+
+
+class Blocking(Calc):
+    """``step`` blocks the thread it runs on for ``seconds`` (a sync call inside async code)."""
+
+    def __init__(self, seconds: float, **kw) -> None:
+        super().__init__(**kw)
+        self.seconds = seconds
+
+    async def step(self, state, turn):
+        if state["row"]["id"] == 1:
+            time.sleep(self.seconds)
+        return await super().step(state, turn)
+
+
+def test_a_blocking_step_does_not_stall_other_episodes():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Blocking(1.5), TOK)
+    slow = runner.submit(PROMPT, {**ROW, "id": 1}, SAMPLING, 1, "slow")
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    fast = runner.submit(PROMPT, ROW, SAMPLING, 2, "fast").result(timeout=10)
+    assert fast.reward == 1.0 and time.monotonic() - t0 < 0.7
+    assert slow.result(timeout=10).reward == 1.0
+    runner.close()
+
+
+def test_a_step_past_its_timeout_is_a_fault_within_the_timeout():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Blocking(3.0, call_timeout_s=0.3), TOK)
+    t0 = time.monotonic()
+    with pytest.raises(EnvironmentFault, match="step on prompt id 1: timed out after 0.3 s"):
+        runner.submit(PROMPT, {**ROW, "id": 1}, SAMPLING, 1, "slow").result(timeout=10)
+    assert time.monotonic() - t0 < 1.5
+    runner.close()
+
+
+class SlowSteps(Calc):
+    async def step(self, state, turn):
+        await asyncio.sleep(0.25)
+        return Step(observation="1\n")  # never done: only the deadline ends it
+
+
+def test_the_episode_deadline_bounds_its_time_in_environment_calls():
+    env = SlowSteps(max_turns=50, episode_timeout_s=0.6)
+    runner = EpisodeRunner(ScriptedEngine(["1*1="] * 60), env, TOK)
+    t0 = time.monotonic()
+    with pytest.raises(EnvironmentFault, match="step on prompt id 0"):
+        run(runner, sampling=SAMPLING.__class__(max_tokens=1000))
+    assert time.monotonic() - t0 < 2.0
+    runner.close()
+
+
+class Tracked(Calc):
+    """Records ``cleanup`` calls; its step waits on ``gate`` for rows with id 7."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.cleaned: list[tuple[int, str]] = []
+        self.seeds: list[int | None] = []
+        self.gate = threading.Event()
+
+    async def reset(self, row, seed=None):
+        self.seeds.append(seed)
+        return {"row": row}
+
+    async def step(self, state, turn):
+        if state["row"]["id"] == 7:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.02)
+        return await super().step(state, turn)
+
+    def cleanup(self, state, reason):
+        self.cleaned.append((state["row"]["id"], reason))
+
+
+def test_cleanup_runs_once_on_every_way_an_episode_ends():
+    env = Tracked()
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    run(runner)  # done
+    run(runner, sampling=SAMPLING.__class__(max_tokens=3))  # truncated by the budget
+    fut = runner.submit(PROMPT, {**ROW, "id": 7}, SAMPLING, 3, "held")  # waits in step
+    time.sleep(0.2)
+    fut.cancel()  # its group was cancelled or dropped while generating
+    deadline = time.monotonic() + 5
+    while (7, "cancelled") not in env.cleaned and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # an aborted episode stays open until it is resumed; the runner's close cleans it
+    cut = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"], cut=(0, 2)), env, TOK)
+    assert run(cut).finish_reason == "abort"
+    cut.close()
+    held = runner.submit(PROMPT, {**ROW, "id": 7}, SAMPLING, 4, "held2")  # in flight at teardown
+    time.sleep(0.2)
+    runner.close()
+    with pytest.raises(cf.CancelledError):
+        held.result(timeout=10)
+    assert env.cleaned == [(0, "done"), (0, "truncated"), (7, "cancelled"), (0, "teardown"), (7, "teardown")]
+
+
+def test_an_erroring_episode_is_cleaned_up_too():
+    env = Tracked()
+    env.step = None  # type: ignore[assignment] - calling it raises TypeError
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    with pytest.raises(EnvironmentFault):
+        run(runner)
+    runner.close()
+    assert env.cleaned == [(0, "error")]
+
+
+class SeedEngine(ScriptedEngine):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seeds: list[int] = []
+
+    def submit(self, prompt_ids, sampling, seed=None, request_id=None, prompt_logprobs=False):
+        self.seeds.append(seed)
+        return super().submit(prompt_ids, sampling, seed, request_id, prompt_logprobs)
+
+
+def test_seeds_are_distinct_per_episode_and_turn_and_reset_gets_one():
+    engine, env = SeedEngine(["1*1=", "2*2=", "1.\x01"]), Tracked(max_turns=3)
+    runner = EpisodeRunner(engine, env, TOK)
+    base = 12345 * 1_000_003
+    futs = [runner.submit(PROMPT, ROW, SAMPLING, (base + i) % 2**31, f"g0-s{i}") for i in range(8)]
+    [f.result(timeout=10) for f in futs]
+    runner.close()
+    assert len(engine.seeds) == 24 and len(set(engine.seeds)) == 24
+    assert len(set(env.seeds)) == 8 and None not in env.seeds
+
+
+def test_a_dead_episode_loop_surfaces_as_one_named_error_within_seconds():
+    env = Tracked()
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    held = runner.submit(PROMPT, {**ROW, "id": 7}, SAMPLING, 1, "held")
+    time.sleep(0.1)
+
+    def die() -> None:
+        raise SystemExit("the loop dies")
+
+    runner._thread._loop.call_soon_threadsafe(die)  # what a BaseException on the loop did
+    with pytest.raises(EnvironmentFault, match="episode loop"):
+        held.result(timeout=5)
+    with pytest.raises(EnvironmentFault, match="episode loop"):
+        runner.submit(PROMPT, ROW, SAMPLING, 2, "next")
+    env.gate.set()
+    runner.close()
+
+
+def test_evaluation_errors_are_counted_apart_from_training():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Faulty("step", ValueError()), TOK, "zero")
+    runner.submit(PROMPT, ROW, SAMPLING, 0, "e0", phase="eval").result(timeout=10)
+    assert runner.take_stats("train")["env/env_errors"] == 0
+    assert runner.take_stats("eval")["env/env_errors"] == 1
+    runner.close()
+
+
+def test_stops_and_the_episode_budget_are_checked_against_the_tokenizer_and_the_engine():
+    two_token_stop = Calc()
+    two_token_stop.stop = ("==",)
+    with pytest.raises(ConfigError, match="env.stop"):
+        check_episodes_fit(two_token_stop, TOK, ["13*17?"], 64, 512)
+    with pytest.raises(ConfigError, match="rollout.sampling.max_tokens.*longest prompt"):
+        check_episodes_fit(Calc(), TOK, ["x" * 100], 64, 128)
+    with pytest.raises(ConfigError, match="env.max_total_tokens"):
+        check_episodes_fit(Calc(max_total_tokens=100), TOK, ["x" * 40], 64, 128)
+    check_episodes_fit(Calc(max_total_tokens=80), TOK, ["x" * 40], 64, 128)
+
+
+def test_the_episode_budget_rule_names_the_field():
+    from omegaconf import OmegaConf
+
+    def cfg(**env):
+        return OmegaConf.create(
+            {
+                "env": env,
+                "engine": {"max_model_len": 128},
+                "rollout": {"sampling": {"max_tokens": 64}, "overlong": {"buffer": 0}},
+            }
+        )
+
+    episode_fits_engine(cfg(max_total_tokens=100))
+    with pytest.raises(ConfigError, match="env.max_total_tokens"):
+        episode_fits_engine(cfg(max_total_tokens=120))
+    with pytest.raises(ConfigError, match="env.max_turn_tokens"):
+        episode_fits_engine(cfg(max_turn_tokens=65))
+
+
+def test_a_remote_server_past_its_failure_threshold_stops_the_run_even_under_zero():
+    from data.envs.http import HttpTool, RemoteDownError
+
+    env = Calc()
+    env.remote = HttpTool("http://127.0.0.1:9/", max_consecutive_failures=1)
+    env.remote.down = "http://127.0.0.1:9/ failed 1 request in a row: connection refused"
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK, "zero")
+    with pytest.raises(RemoteDownError, match="127.0.0.1:9"):
+        run(runner)
+    runner.close()
+
+
+def test_a_reward_whose_server_is_down_is_not_scored_zero():
+    from types import SimpleNamespace
+
+    from data.envs.http import RemoteDownError
+    from data.rollout.sync import SyncRollout
+
+    class DownJudge:
+        def reward(self, row, response):
+            raise RemoteDownError("http://judge:8000 is down after 20 failed requests")
+
+    ctl = SyncRollout(1, 2, SAMPLING)
+    ctl.configure_rewards("zero")
+    ctl.ctx = SimpleNamespace(task=DownJudge())
+    with pytest.raises(RemoteDownError, match="judge:8000"):
+        ctl.score({"id": 3}, "42")
+    assert ctl.reward_error_count == 0
