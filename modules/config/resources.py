@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -62,3 +63,15 @@ def is_hub_id(path: str | Path) -> bool:
     if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
         return False
     return not Path(text.split("/")[0]).is_dir()
+
+
+def build_command(path: str | Path) -> str:
+    """The command that builds the model at ``path``: the supervised recipe (``module=sft``)
+    whose ``model.path`` names that directory, else the default warm start (``make sft``)."""
+    name = Path(str(path)).name
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    for recipe in sorted(recipes.glob("*.yaml")):
+        text = recipe.read_text()
+        if "override /module: sft" in text and re.search(rf"^\s+path: .*/{re.escape(name)}\s*$", text, re.M):
+            return f"`python train.py recipe={recipe.stem}`"
+    return "`make sft` (python train.py recipe=sft_warmup)"

@@ -151,12 +151,12 @@ class VLLMEngine(HealthCheckedWaits):
     def start(self) -> VLLMEngine:
         if self._thread is not None:
             return self
-        from modules.config.resources import is_hub_id
+        from modules.config.resources import build_command, is_hub_id
 
         if not is_hub_id(self.model_path) and not Path(self.model_path, "config.json").exists():
             raise EngineError(
                 f"engine.model_path={self.model_path!r} holds no model (no config.json); "
-                "the RL recipes start from the SFT warm start: run `make sft` first"
+                f"the RL recipes start from a supervised warm start: build this one with {build_command(self.model_path)}"
             )
         if self.gpu_ids == "auto":
             raise EngineError(

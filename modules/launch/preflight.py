@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from modules.config.errors import check
-from modules.config.resources import hub_problem, is_hub_id
+from modules.config.resources import build_command, hub_problem, is_hub_id
 from modules.config.schema import nodes, source_field, target_class
 from modules.engine.placement import names_cores, parse_cores
 
@@ -66,8 +66,8 @@ def _check_model_path(field: str, path: str, required: bool) -> None:
             field,
             path,
             local.is_dir() and (local / "config.json").is_file(),
-            "a model directory (with config.json) or a hub id; the RL recipes start from the SFT "
-            "warm start: run `make sft` first",
+            "a model directory (with config.json) or a hub id; the RL recipes start from a "
+            f"supervised warm start: build this one with {build_command(path)}",
         )
         return
     problem = hub_problem(path, "model")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from modules.config.resources import is_hub_id
+from modules.config.resources import build_command, is_hub_id
 
 
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -23,10 +23,7 @@ def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         ), AutoTokenizer.from_pretrained(str(path))
     path = Path(path)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"no model at {path}: build the SFT warm start first with "
-            "`make sft` (python train.py recipe=sft_warmup)"
-        )
+        raise FileNotFoundError(f"no model at {path}: build it first with {build_command(path)}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

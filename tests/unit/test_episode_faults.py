@@ -286,3 +286,13 @@ def test_a_reward_whose_server_is_down_is_not_scored_zero():
     with pytest.raises(RemoteDownError, match="judge:8000"):
         ctl.score({"id": 3}, "42")
     assert ctl.reward_error_count == 0
+
+
+def test_a_missing_model_names_the_recipe_that_builds_it(tmp_path):
+    from modules.config.resources import build_command
+    from modules.launch.preflight import _check_model_path
+
+    assert build_command(tmp_path / "tiny-qwen-sft-calc") == "`python train.py recipe=sft_calculator`"
+    assert "make sft" in build_command(tmp_path / "tiny-qwen-sft")
+    with pytest.raises(ConfigError, match="recipe=sft_calculator"):
+        _check_model_path("model.path", str(tmp_path / "tiny-qwen-sft-calc"), required=True)
