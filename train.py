@@ -18,9 +18,14 @@ from omegaconf import DictConfig
 import modules.launch.compose  # noqa: F401  registers the resolvers conf/ uses
 from modules.launch.cli import launch
 from modules.launch.multirun import this_job_for_ddp_children
+from modules.launch.quiet import quiet_console
+
+# here, not under __main__: the processes this run spawns re-import this file first (quiet.py)
+quiet_console(spawned=__name__ == "__mp_main__")
 
 
 def train(cfg: DictConfig) -> float | None:
+    from modules.callbacks.held_out import held_out_summary
     from modules.launch.guard import guarded_fit
     from modules.launch.start import build_run
 
@@ -29,10 +34,13 @@ def train(cfg: DictConfig) -> float | None:
     with guarded_fit(trainer, datamodule):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metric = trainer.callback_metrics.get(cfg.optimized_metric)
+    metric = None if metric is None else float(metric)  # the value Hydra sweepers read
     logging.getLogger(__name__).info(
         "%s = %s; outputs in %s", cfg.optimized_metric, metric, cfg.paths.output_dir
     )
-    return None if metric is None else float(metric)
+    if summary := held_out_summary(trainer):  # last on the console: before -> after, framed
+        logging.getLogger(__name__).info("held-out reward, first -> last evaluation:\n%s", summary)
+    return metric
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
