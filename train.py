@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 import modules.launch.compose  # noqa: F401  registers the resolvers conf/ uses
 from modules.launch.cli import launch
 from modules.launch.multirun import this_job_for_ddp_children
-from modules.launch.quiet import quiet_console
+from modules.launch.quiet import quiet_console, quiet_run_dir
 
 # here, not under __main__: the processes this run spawns re-import this file first (quiet.py)
 quiet_console(spawned=__name__ == "__mp_main__")
@@ -29,6 +29,7 @@ def train(cfg: DictConfig) -> float | None:
     from modules.launch.guard import guarded_fit
     from modules.launch.start import build_run
 
+    quiet_run_dir(cfg.paths.output_dir)  # Hydra's files in it are no reason to warn (quiet.py)
     # a bad value exits 2 with one message naming it (modules/launch/cli.py)
     datamodule, module, trainer = build_run(cfg)
     with guarded_fit(trainer, datamodule):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
+from pathlib import Path
 
 _installed = False
 
@@ -77,6 +79,15 @@ def quiet_console(spawned: bool = False) -> bool:
         # print C++ errors, not warnings (read when they import torch; the trainer keeps them).
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return True
+
+
+def quiet_run_dir(output_dir: str) -> None:
+    """Lightning's CSV logger warns that the run dir "exists and is not empty": Hydra wrote
+    ``.hydra/`` and ``train.log`` there first. Silenced for this run's dir only, and only while
+    it holds no ``metrics.csv`` (which the logger would delete: that warning still shows)."""
+    if not Path(output_dir, "metrics.csv").exists():
+        where = re.escape(str(Path(output_dir)))
+        ignore(f"Experiment logs directory {where}/? exists and is not empty", UserWarning)
 
 
 def ignore(message: str, category: type[Warning]) -> None:

@@ -71,6 +71,23 @@ def test_python_warnings_filtered_by_message_and_category(fresh_quiet):
     ]
 
 
+@pytest.mark.parametrize("old_metrics", [False, True])
+def test_run_dir_notice_only_silenced_while_nothing_would_be_deleted(fresh_quiet, tmp_path, old_metrics):
+    """Hydra's run dir holds .hydra/ and train.log before the CSV logger starts: no reason to warn;
+    a metrics.csv of an earlier run there (the logger deletes it) still warns."""
+    (tmp_path / ".hydra").mkdir()
+    if old_metrics:
+        (tmp_path / "metrics.csv").write_text("step\n")
+    quiet.quiet_run_dir(str(tmp_path))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.filterwarnings("always", append=True)
+        for where in (tmp_path, tmp_path.parent / "elsewhere"):  # another dir: always shown
+            warnings.warn(
+                f"Experiment logs directory {where}/ exists and is not empty. ...", UserWarning, stacklevel=1
+            )
+    assert len(seen) == (2 if old_metrics else 1)
+
+
 @pytest.mark.parametrize("spawned", [False, True])
 def test_cpp_warnings_quieted_only_in_spawned_processes(fresh_quiet, monkeypatch, spawned):
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
