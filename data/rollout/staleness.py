@@ -297,11 +297,6 @@ class StalenessBound:
         self.taken_at = -1  # version at which the last batch was taken
         self.taken_count = 0  # batches taken at that version
 
-    @property
-    def holds(self) -> bool:
-        """No group is ever trained past the bound (``drop``, ``admit``, ``regenerate``)."""
-        return self.max_staleness is not None and self.policy.holds_bound()
-
     def set_max_staleness(self, value: int | None) -> None:
         """The one way to move K at run time (``modules.callbacks.drift_controller``): the
         controller that listens (``on_change``) resizes what may be outstanding."""
@@ -373,7 +368,7 @@ class StalenessBound:
 
     def over_bound(self, version: int, start_version: int) -> bool:
         """A group taken now is trained past the bound (counted in ``rollout/over_bound``)."""
-        return self.excess(version, start_version) > 0 and not self.holds
+        return self.excess(version, start_version) > 0 and not self.policy.holds_bound()
 
     def leaves_room(self, left: Iterable[int], version: int) -> bool:
         """Admission control: after this batch, can every group still outstanding (start

@@ -43,18 +43,20 @@ FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
 RULE_HOLDERS = ("rollout.staleness", "env")
 
 
-def class_rules(cfg: DictConfig) -> list[Callable[[DictConfig], None]]:
-    """The cross-field rules of the classes ``cfg`` builds at ``RULE_HOLDERS``."""
-    classes = [target_class(OmegaConf.select(cfg, path)) for path in RULE_HOLDERS]
+def class_rules(
+    cfg: DictConfig, holders: tuple[str, ...] = RULE_HOLDERS
+) -> list[Callable[[DictConfig], None]]:
+    """The cross-field rules of the classes ``cfg`` builds at ``holders``."""
+    classes = [target_class(OmegaConf.select(cfg, path)) for path in holders]
     return [rule for cls in classes for rule in getattr(cls, "cross_field_rules", ())]
 
 
 def _refuses_decoupled(cfg: DictConfig) -> bool:
-    """Whether a class's own rule refuses ``algo.loss.anchor=decoupled`` in this config."""
+    """Whether the staleness policy's own rule refuses ``algo.loss.anchor=decoupled`` here."""
     alt = copy.deepcopy(cfg)
     OmegaConf.update(alt, "algo.loss.anchor", "decoupled", force_add=True)
     try:
-        for rule in class_rules(alt):
+        for rule in class_rules(alt, ("rollout.staleness",)):
             rule(alt)
     except ConfigError:
         return True
@@ -144,14 +146,33 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     )
 
 
-# Rules that relate fields of several groups, each a named function beside the class it
-# concerns, run in this order (the first broken one is reported). Those of the data side
-# (data/ may not be imported from modules/) are found on the classes at RULE_HOLDERS.
+def lr_positive(cfg: DictConfig) -> None:
+    lr = cfg.module.get("optimizer", {}).get("lr")
+    if lr is not None:
+        check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
+
+
+def torch_threads_positive(cfg: DictConfig) -> None:
+    check("torch_threads", cfg.get("torch_threads", 1), cfg.get("torch_threads", 1) >= 1, "an int >= 1")
+
+
+def data_side_rules(cfg: DictConfig) -> None:
+    """The cross-field rules of the data side's classes (``RULE_HOLDERS``)."""
+    for rule in class_rules(cfg):
+        rule(cfg)
+
+
+# The rules that relate fields of several groups, in the order they run (the first broken one
+# is reported): each a named function beside the class it concerns; those of the data side
+# (which modules/ may not import) are found on the classes at RULE_HOLDERS.
 CROSS_FIELD_RULES: tuple[Callable[[DictConfig], None], ...] = (
     sampling_fits_engine,  # modules/engine/types.py
     temperature_matches_sampling,  # modules/policy/logits.py
     group_advantage_needs_groups,  # modules/algo/advantages.py
+    lr_positive,  # here: the optimizer is torch's
     lag_needs_sync_barrier,  # modules/callbacks/weight_sync.py
+    torch_threads_positive,  # here
+    data_side_rules,  # data/rollout/staleness.py (recompute), data/envs/base.py (episode budget)
     nccl_needs_gpu_trainer,  # modules/engine/gpus.py
     engine_gpus_apart_from_trainer,  # modules/engine/gpus.py
     checkpoint_between_rollout_batches,  # modules/callbacks/checkpointing.py
@@ -171,16 +192,5 @@ def _validate_rl(cfg: DictConfig) -> None:
     mml = engine.max_model_len  # its own range first: the rules below divide by it
     check("engine.max_model_len", mml, isinstance(mml, int) and mml >= 16, "an int >= 16")
     check_budget(cfg)  # sizes that would not fit in memory or the engine's queue
-    rules = CROSS_FIELD_RULES
-    for rule in (*rules[:3], _lr_positive, rules[3], _threads, *class_rules(cfg), *rules[4:]):
+    for rule in CROSS_FIELD_RULES:
         rule(cfg)
-
-
-def _lr_positive(cfg: DictConfig) -> None:
-    lr = cfg.module.get("optimizer", {}).get("lr")
-    if lr is not None:
-        check("module.optimizer.lr", lr, lr > 0, "a float > 0 (0 trains nothing)")
-
-
-def _threads(cfg: DictConfig) -> None:
-    check("torch_threads", cfg.get("torch_threads", 1), cfg.get("torch_threads", 1) >= 1, "an int >= 1")

@@ -26,14 +26,21 @@ def project_files() -> dict[str, Path]:
     return files
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """Project modules ``path`` imports (``from a.b import c`` counts a.b.c when it is a module)."""
+def imports_of(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
+    """Project modules ``path`` imports (``from a.b import c`` counts a.b.c when it is a module;
+    a relative import is resolved against the file's package)."""
     out = set()
+    parts = path.relative_to(root).with_suffix("").parts
+    package = parts[:-1]  # an __init__.py's package is its folder, like a module's
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = node.module or ""
+            if node.level:
+                up = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                base = ".".join([*up, *([base] if base else [])])
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
         out |= {n for n in names if n in known}
@@ -138,20 +145,20 @@ def test_no_two_library_modules_share_a_file_name():
 
 # Import order inside the library, bottom first: a module imports only from a lower layer or
 # its own package. config/ holds what every layer imports (errors, typed schema, budgets,
-# external ranges, resources); launch/ (compose, cross-field validation, preflight, guard,
-# multirun) sits on top of modules/; data/ sits on modules/, tasks below environments below the
-# rollout that drives both.
+# external ranges, resources); data/ sits on modules/ (tasks below environments below the
+# rollout that drives both); launch/ (compose, cross-field validation, preflight, guard,
+# multirun) is on top of all.
 LAYERS = {
     "modules.config": 0,
     "modules.algo": 1,
     "modules.engine": 1,
     "modules.policy": 2,
     "modules.callbacks": 3,
-    "modules.launch": 4,
     "data.tasks": 5,
     "data.envs": 6,
     "data.sft_data": 7,
     "data.rollout": 7,
+    "modules.launch": 8,  # on top: it builds the whole run (it imports no data/ module by name)
 }
 
 
@@ -180,6 +187,19 @@ def test_layers_cover_the_library():
     assert {p.name for p in (ROOT / "modules").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
         pkg.split(".")[1] for pkg in LAYERS if pkg.startswith("modules.")
     }
+
+
+def test_imports_of_resolves_relative_imports(tmp_path):
+    file = tmp_path / "modules" / "algo" / "probe.py"
+    file.parent.mkdir(parents=True)
+    file.write_text("from ..launch import validate\nfrom . import losses\n")
+    found = imports_of(file, set(project_files()), root=tmp_path)
+    assert {"modules.launch.validate", "modules.algo.losses"} <= found
+
+
+def test_policy_flag_finder_reads_annotated_flags():
+    tree = "class P:\n    drops: ClassVar[bool] = True\n    def holds_bound(self) -> bool:\n        return True\n"
+    assert policy_flag_names(tree) == {"drops", "holds_bound"}
 
 
 def test_upward_import_finder_finds_one():
@@ -255,17 +275,23 @@ def test_library_packages_mirror_the_config_groups():
 
 
 def policy_flags() -> set[str]:
+    return policy_flag_names((ROOT / "data/rollout/staleness.py").read_text())
+
+
+def policy_flag_names(source: str) -> set[str]:
     """Names of what a staleness policy answers with a constant (``data/rollout/staleness.py``):
     class attributes holding a bool, and methods that return True or False in every class that
     defines them (a decision computed in some class, like ``may_start``, is not a flag)."""
     flags, computed = set(), set()
-    for node in ast.walk(ast.parse((ROOT / "data/rollout/staleness.py").read_text())):
+    for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ClassDef):
             continue
         for item in node.body:
-            if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant):
-                if isinstance(item.value.value, bool):
-                    flags |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+            value = getattr(item, "value", None)
+            if isinstance(item, ast.Assign | ast.AnnAssign) and isinstance(value, ast.Constant):
+                if isinstance(value.value, bool):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    flags |= {t.id for t in targets if isinstance(t, ast.Name)}
             if isinstance(item, ast.FunctionDef):
                 returns = [n for n in ast.walk(item) if isinstance(n, ast.Return)]
                 constant = all(
@@ -291,3 +317,27 @@ def test_no_staleness_policy_flag_is_read_outside_its_file():
                 if len(args) > 1 and isinstance(args[1], ast.Constant) and args[1].value in flags:
                     readers.append((str(path.relative_to(ROOT)), args[1].value))
     assert not readers, readers
+
+
+def test_every_cross_field_rule_is_listed_where_validate_runs_it():
+    """A function documented as a "Cross-field rule" runs: it is in ``validate.CROSS_FIELD_RULES``
+    or in a class's ``cross_field_rules`` (found through ``validate.RULE_HOLDERS``)."""
+    from modules.launch.validate import CROSS_FIELD_RULES
+
+    listed = {f.__name__ for f in CROSS_FIELD_RULES}
+    rules, attached = {}, set()
+    for name, path in project_files().items():
+        if not name.startswith(("modules", "data")):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc and doc.startswith("Cross-field rule"):
+                rules[node.name] = name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "cross_field_rules" for t in targets):
+                    attached |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+    assert len(rules) >= 10
+    assert not {r: m for r, m in rules.items() if r not in listed | attached}

@@ -136,7 +136,7 @@ def test_an_unbounded_admit_never_waits_and_still_counts_versions():
 
 def test_regenerate_throttles_regenerates_past_the_bound_and_never_trains_there():
     b = StalenessBound(1, Regenerate(), prompts_per_step=4)
-    assert b.holds  # throttles (below), regenerates, never drops (test_rollout_modes.py)
+    assert not b.over_bound(version=9, start_version=0)  # holds the bound: never trained past it
     assert not b.may_start(8, version=0) and b.may_start(7, version=0)  # throttle's issue side
     # past the bound a buffered group is regenerated, a generating one once certainly past it
     assert not b.too_stale(version=3, start_version=2) and b.too_stale(version=3, start_version=1)
@@ -144,10 +144,11 @@ def test_regenerate_throttles_regenerates_past_the_bound_and_never_trains_there(
     assert b.admit(group(), version=2, start_version=1) is not None  # within K: trained
     with pytest.raises(RuntimeError, match="Regenerate"):  # never reaches the batch past K
         b.admit(group(), version=3, start_version=1)
-    assert StalenessBound(None, Regenerate(), prompts_per_step=4).holds is False  # unbounded
-    # which policies hold the bound
+    # unbounded: nothing is past a bound
+    assert not StalenessBound(None, Regenerate(), prompts_per_step=4).over_bound(version=100, start_version=0)
+    # which policies hold the bound: a group 8 versions past K = 1 is never trained past it
     holds = {
-        type(p).__name__: StalenessBound(1, p, 4).holds
+        type(p).__name__: not StalenessBound(1, p, 4).over_bound(version=9, start_version=0)
         for p in (Drop(), Admit(), Throttle(), Downweight(), Recompute())
     }
     assert holds == {"Drop": True, "Admit": True, "Throttle": False, "Downweight": False, "Recompute": False}
