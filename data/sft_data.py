@@ -94,6 +94,10 @@ class SFTDataModule(L.LightningDataModule):
         self.level_weights = None if level_weights is None else tuple(level_weights)
         self.tokenizer = build_char_tokenizer()
 
+    def preflight(self, max_model_len: int | None) -> None:
+        """Start-up checks before a model is built (``modules/launch/start.py``): none here."""
+        return None
+
     def setup(self, stage: str | None = None) -> None:
         self.train_rows = self.task.build("sft", self.train_size, self.level_weights)
         self.eval_rows = self.task.build("eval", self.eval_size)

@@ -31,3 +31,12 @@ def test_every_file_the_doc_names_exists():
     )
     assert named
     assert not sorted(f for f in named if not (ROOT / f).exists())
+
+
+def test_the_line_count_given_for_train_py_is_its_own():
+    import re as _re
+
+    lines = len((ROOT / "train.py").read_text().splitlines())
+    for doc in (DOC, ROOT / "README.md"):
+        counts = _re.findall(r"\((\d+) lines\)", doc.read_text())
+        assert counts and all(int(c) == lines for c in counts), (doc, counts, lines)
