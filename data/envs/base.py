@@ -78,14 +78,6 @@ def episode_fits_engine(cfg: Any) -> None:
             budget + 16 <= mml,
             f"an int that leaves room for the prompt within engine.max_model_len={mml}",
         )
-    buffer = ((cfg.rollout.get("overlong") or {}).get("buffer")) or 0
-    if isinstance(budget, int) and isinstance(buffer, int) and buffer:
-        check(
-            "rollout.overlong.buffer",
-            buffer,
-            buffer < budget,
-            f"an int below the episode's budget {field}={budget}",
-        )
     turn = env.get("max_turn_tokens")
     if isinstance(turn, int) and isinstance(budget, int):
         check(

@@ -70,7 +70,8 @@ class CalculatorEnv(Environment):
         self.server = self.remote = None
         self.tool: Any = calculate
         if http is not None:
-            from data.envs.http import HttpTool, serve
+            from data.envs.http import HttpTool
+            from data.envs.http_server import serve
 
             self.server = serve(calculate)
             self.remote = HttpTool(self.server.url, **dict(http))
@@ -78,6 +79,8 @@ class CalculatorEnv(Environment):
 
     def close(self) -> None:
         super().close()
+        if self.remote is not None:
+            self.remote.close_io()
         if self.server is not None:
             self.server.stop()
             self.server = None

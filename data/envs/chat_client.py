@@ -157,8 +157,8 @@ class ChatJudge(Health):
 
     def __getstate__(self) -> dict:
         state = dict(vars(self))
-        for key in ("_loops", "_client", "_lock", "_slots", "_health_lock"):
-            state.pop(key)
+        for key in ("_loops", "_client", "_lock", "_slots", "_health_lock", "_io"):
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -194,6 +194,9 @@ class ChatJudge(Health):
     async def call(self, text: str, row: dict | None = None) -> float:
         """The score of ``text`` (a coroutine: a tool for ``ToolRunner.call``)."""
         self.check_health()
+        return await self.on_own_loop(self._call(text, row))
+
+    async def _call(self, text: str, row: dict | None) -> float:
         body = self.body(text, row)
         loop = asyncio.get_running_loop()
         if id(loop) not in self._loops:

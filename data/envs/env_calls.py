@@ -29,6 +29,8 @@ import asyncio
 import concurrent.futures as cf
 import contextvars
 import inspect
+import math
+import queue
 import threading
 import time
 from collections import Counter
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from data.envs.base import Step
 from modules.config.errors import check_choice
 
 ON_ERROR = ("fail", "zero")  # the values of data.reward_errors
@@ -68,13 +71,24 @@ class EnvCalls:
         check_choice("data.reward_errors", on_error, ON_ERROR)
         self.env = env
         self.on_error = on_error
-        self.pool = cf.ThreadPoolExecutor(max_workers=env.workers, thread_name_prefix="asyncrl-env-call")
+        self.pool = _DaemonPool(env.workers)
         self.errors: dict[str, Counter] = {"train": Counter(), "eval": Counter()}
         self._lock = threading.Lock()
         self._local = threading.local()  # each pool thread's own event loop
 
-    async def call(self, method: str, row: dict | None, deadline: Deadline, *args: Any) -> Any:
-        """``env.<method>(*args)`` on the pool; raises ``EnvironmentFault``."""
+    async def call(
+        self,
+        method: str,
+        row: dict | None,
+        deadline: Deadline,
+        *args: Any,
+        abandoned: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """``env.<method>(*args)`` on the pool; raises ``EnvironmentFault``. The timeout counts
+        from when the call starts running (not its wait for a free thread). If the caller is
+        cancelled, the call is cancelled too (a coroutine) and waited for, bounded, so that a
+        ``cleanup`` after it never races it; ``abandoned(result)`` gets what a call returns after
+        its caller stopped waiting (a ``reset`` whose episode was cancelled: its state to clean)."""
         timeout = self.env.call_timeout_s
         if deadline.left_s is not None:
             if deadline.left_s <= 0:
@@ -82,17 +96,45 @@ class EnvCalls:
             timeout = min(timeout, deadline.left_s)
         running: dict[str, Any] = {}
         context = contextvars.copy_context()  # the phase (train / eval) reaches the tools' counters
-        fut = self.pool.submit(context.run, self._run, getattr(self.env, method), args, running)
-        t0 = time.monotonic()
+        started, fut = self.pool.submit(context.run, self._run, getattr(self.env, method), args, running)
+        waiting = asyncio.wrap_future(fut)
+        t0 = None
+        wait_s = self.env.episode_timeout_s or 10 * self.env.call_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            try:  # a free thread: every worker hung would otherwise stall the episode
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(started)), wait_s)
+            except asyncio.TimeoutError:
+                self._abandon(fut, running, abandoned)
+                detail = f"no free thread within {wait_s:g} s (env.workers={self.env.workers}, all busy)"
+                raise self.fault(method, row, detail) from None
+            t0 = time.monotonic()
+            return await asyncio.wait_for(asyncio.shield(waiting), timeout)
         except asyncio.TimeoutError:
-            self._cancel(running)
+            self._abandon(fut, running, abandoned)
             raise self.fault(method, row, f"timed out after {timeout:g} s") from None
+        except asyncio.CancelledError:
+            self._abandon(fut, running, abandoned)
+            await asyncio.shield(_settled(waiting, self.env.call_timeout_s))  # never race a cleanup
+            raise
         except _UserError as e:
             raise self.fault(method, row, e.text) from e.__cause__
         finally:
-            deadline.spend(time.monotonic() - t0)
+            if t0 is not None:
+                deadline.spend(time.monotonic() - t0)
+
+    def _abandon(
+        self, fut: cf.Future, running: dict[str, Any], abandoned: Callable[[Any], None] | None
+    ) -> None:
+        """Stop a call nobody waits for: cancel it if queued or a coroutine; hand a result that
+        still arrives to ``abandoned``."""
+        fut.cancel()
+        loop, task = running.get("loop"), running.get("task")
+        if abandoned is None and loop is not None and task is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)  # (a reset runs on: what it makes is cleaned up)
+        if abandoned is not None:
+            fut.add_done_callback(
+                lambda f: abandoned(f.result()) if not f.cancelled() and not f.exception() else None
+            )
 
     def fault(self, method: str, row: dict | None, detail: str) -> EnvironmentFault:
         return EnvironmentFault(type(self.env).__name__, method, row, detail)
@@ -111,7 +153,7 @@ class EnvCalls:
 
     def run_sync(self, method: str, row: dict | None, timeout_s: float, *args: Any) -> None:
         """``env.<method>(*args)`` from a thread outside any loop (teardown), bounded."""
-        fut = self.pool.submit(self._run, getattr(self.env, method), args, {})
+        _, fut = self.pool.submit(self._run, getattr(self.env, method), args, {})
         try:
             fut.result(timeout=timeout_s)
         except cf.TimeoutError as e:
@@ -132,18 +174,59 @@ class EnvCalls:
                 result = loop.run_until_complete(task)
             return result
         except asyncio.CancelledError:
-            raise _UserError("cancelled at its timeout") from None
+            raise _UserError("cancelled") from None
         except BaseException as e:  # noqa: BLE001 - SystemExit included: the pool thread lives on
             raise _UserError(f"{type(e).__name__}: {e}") from e
 
-    @staticmethod
-    def _cancel(running: dict[str, Any]) -> None:
-        loop, task = running.get("loop"), running.get("task")
-        if loop is not None and task is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(task.cancel)
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let the calls running now finish (bounded); the threads are daemons either way."""
+        self.pool.close(timeout_s)
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+
+class _DaemonPool:
+    """``workers`` daemon threads (a hung call never keeps the process alive, unlike
+    ``ThreadPoolExecutor``'s); ``submit`` returns (started, done) futures."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"asyncrl-env-call-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> tuple[cf.Future, cf.Future]:
+        started, done = cf.Future(), cf.Future()
+        self._queue.put((started, done, fn, args))
+        return started, done
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            started, done, fn, args = job
+            if not done.set_running_or_notify_cancel():
+                started.cancel()
+                continue
+            started.set_result(None)
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+    def close(self, timeout_s: float) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+async def _settled(fut: asyncio.Future, timeout_s: float) -> None:
+    """Wait for ``fut`` to finish, at most ``timeout_s``, whatever it ends with."""
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+    except BaseException:  # noqa: BLE001 - only its end matters here
+        pass
 
 
 class _UserError(Exception):
@@ -156,3 +239,23 @@ class _UserError(Exception):
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a finite float, or None."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def bad_step(step: Any) -> str | None:
+    """What is wrong with what ``step`` returned, or None."""
+    if not isinstance(step, Step):
+        return f"returned {type(step).__name__}, not a Step"
+    if finite_number(step.reward) is None:
+        return f"returned Step(reward={step.reward!r}), not a finite number"
+    if not isinstance(step.observation, str) or not isinstance(step.info, dict):
+        return "returned a Step whose observation is not a str or whose info is not a dict"
+    return None

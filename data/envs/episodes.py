@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from data.envs.base import Environment, Step, stop_token_ids
-from data.envs.env_calls import Deadline, EnvCalls, EnvironmentFault
+from data.envs.env_calls import Deadline, EnvCalls, EnvironmentFault, bad_step, finite_number
 from data.envs.http import remote_tools
 from data.envs.tools import PHASE
 from modules.engine.loop_thread import LoopThread
@@ -56,6 +56,7 @@ class EpisodeState:
     turn_start: int = 0  # index (in the episode's tokens) where the current model turn began
     turn_versions: set[int] = field(default_factory=set)  # versions that wrote the current turn
     deadline: Deadline = field(default_factory=lambda: Deadline(None))  # env time left
+    errors: list[str] = field(default_factory=list)  # environment errors scored 0 (on_error=zero)
     row: dict | None = None
     seed: int = 0
 
@@ -82,15 +83,16 @@ class EpisodeRunner:
         self._reset_takes_seed = "seed" in inspect.signature(env.reset).parameters
 
     def _loop(self) -> LoopThread:
-        if self._thread is None:
-            thread = LoopThread("asyncrl-env", on_death=self._loop_died)
+        with self._lock:  # concurrent first submissions start one loop
+            if self._thread is None:
+                thread = LoopThread("asyncrl-env", on_death=self._loop_died)
 
-            async def ready() -> None:
-                return None
+                async def ready() -> None:
+                    return None
 
-            thread.start(ready, timeout_s=30)
-            self._thread = thread
-        return self._thread
+                thread.start(ready, timeout_s=30)
+                self._thread = thread
+            return self._thread
 
     def check_health(self) -> None:
         """Raise ``EnvironmentFault`` if the episode loop died (its futures are failed too)."""
@@ -168,9 +170,16 @@ class EpisodeRunner:
             state = EpisodeState(row=row, seed=seed, deadline=Deadline(self.env.episode_timeout_s))
             try:
                 args = (row, seed) if self._reset_takes_seed else (row,)
-                state.env_state = await self.calls.call("reset", row, state.deadline, *args)
+                state.env_state = await self.calls.call(
+                    "reset", row, state.deadline, *args, abandoned=self._clean_abandoned
+                )
             except EnvironmentFault as fault:
-                error = {"env_error": str(fault), "span": [0, 0], "observation": [0, 0]}
+                error = {
+                    "env_error": str(fault),
+                    "env_errors": [str(fault)],
+                    "span": [0, 0],
+                    "observation": [0, 0],
+                }
                 self._fault(fault)  # raises under on_error=fail
                 return Completion(
                     rid, prompt_ids, [], [], "stop", 0.0, 0.0, loss_mask=[], reward=0.0, turns=[error]
@@ -188,11 +197,18 @@ class EpisodeRunner:
             if reason != "open":
                 await self._cleanup(state, "teardown" if self._closing else reason)
 
-    def _fault(self, fault: EnvironmentFault) -> None:
-        """The fault contract: raise under ``on_error=fail``; else count it (the caller scores 0)."""
+    def _fault(self, fault: EnvironmentFault, state: EpisodeState | None = None) -> None:
+        """The fault contract: raise under ``on_error=fail``; else count it and note it in the
+        episode (which then scores 0)."""
         if self.calls.on_error == "fail":
             raise fault
         self.calls.count(PHASE.get(), fault.method)
+        if state is not None:
+            state.errors.append(str(fault))
+
+    def _clean_abandoned(self, env_state: Any) -> None:
+        """A ``reset`` that returned after its episode was cancelled: clean what it made."""
+        self.calls.pool.submit(self.calls._run, self.env.cleanup, (env_state, "cancelled"), {})
 
     async def _cleanup(self, state: EpisodeState, reason: str) -> None:
         if self._open.pop(id(state), None) is None:
@@ -287,19 +303,18 @@ class EpisodeRunner:
         reward = None
         if finish != "abort":
             try:
-                reward = await self.calls.call(
+                value = await self.calls.call(
                     "final_reward", row, state.deadline, state.env_state, state.rewards, truncated
                 )
-                reward = float(reward)
+                reward = finite_number(value)
+                if reward is None:
+                    raise self.calls.fault("final_reward", row, f"returned {value!r}, not a finite number")
             except EnvironmentFault as fault:
-                self._fault(fault)
+                self._fault(fault, state)
+            if state.errors:  # under on_error=zero: an episode with an environment error scores 0
                 reward = 0.0
-                state.turns[-1:] = [{**(state.turns[-1] if state.turns else {}), "env_error": str(fault)}]
-            except (TypeError, ValueError) as e:  # not a number
-                fault = self.calls.fault("final_reward", row, f"returned {reward!r}, not a number ({e})")
-                self._fault(fault)
-                reward = 0.0
-                state.turns[-1:] = [{**(state.turns[-1] if state.turns else {}), "env_error": str(fault)}]
+                last = state.turns[-1] if state.turns else {"span": [0, 0], "observation": [0, 0]}
+                state.turns[-1:] = [{**last, "env_error": state.errors[-1], "env_errors": list(state.errors)}]
         comp = Completion(
             rid,
             prompt_ids,
@@ -324,10 +339,11 @@ class EpisodeRunner:
     async def _step(self, state: EpisodeState, text: str, row: dict) -> Step:
         try:
             step = await self.calls.call("step", row, state.deadline, state.env_state, text)
-            if not isinstance(step, Step):
-                raise self.calls.fault("step", row, f"returned {type(step).__name__}, not a Step")
+            problem = bad_step(step)
+            if problem:
+                raise self.calls.fault("step", row, problem)
         except EnvironmentFault as fault:  # scored 0 and counted, or (on_error=fail) raised
-            self._fault(fault)
+            self._fault(fault, state)
             step = Step(observation="", reward=0.0, done=True, info={"env_error": str(fault)})
         for tool in remote_tools(self.env):  # a server past its failure threshold stops the run
             tool.check_health()
@@ -354,6 +370,10 @@ class EpisodeRunner:
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+        with self._lock:  # the loop is gone: no episode future may stay pending
+            handed, self._handed = list(self._handed), set()
+        for fut in handed:
+            fut.cancel()
         for state in list(self._open.values()):
             self._open.pop(id(state), None)
             try:

@@ -24,10 +24,7 @@ import asyncio
 import json
 import math
 import os
-import socket
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +126,29 @@ class Health:
         self.down: str | None = None
         self._health_lock = threading.Lock()
 
+    async def on_own_loop(self, coro: Any) -> Any:
+        """Await ``coro`` on this client's own I/O loop: callers on many loops (each environment
+        call has one, ``env_calls.py``) share one batcher, one concurrency limit, one client."""
+        with self._health_lock:
+            if getattr(self, "_io", None) is None:
+                from modules.engine.loop_thread import LoopThread
+
+                async def ready() -> None:
+                    return None
+
+                self._io = LoopThread(f"asyncrl-remote-{type(self).__name__}")
+                self._io.start(ready, timeout_s=30)
+            io = self._io
+        if asyncio.get_running_loop() is io.loop:
+            return await coro
+        return await asyncio.wrap_future(io.run(coro))
+
+    def close_io(self) -> None:
+        """Stop the I/O loop (its clients' connections go with it)."""
+        io, self._io = getattr(self, "_io", None), None
+        if io is not None:
+            io.stop()
+
     def _succeeded(self) -> None:
         with self._health_lock:
             self.consecutive_failures = 0
@@ -212,6 +232,9 @@ class HttpTool(Health):
     async def call(self, x: Any) -> Any:
         """The server's output for ``x``; raises ``RemoteError`` or ``RemoteDownError``."""
         self.check_health()
+        return await self.on_own_loop(self._call(x))
+
+    async def _call(self, x: Any) -> Any:
         loop = asyncio.get_running_loop()
         batcher = self._loops.get(id(loop))
         if batcher is None:
@@ -278,9 +301,22 @@ class HttpTool(Health):
 
 
 def remote_tools(env: Any) -> list[Health]:
-    """The remote tools an environment holds as attributes (``HttpTool``, ``ChatJudge``), for
-    the episode runner's ``check_health()`` after each step."""
-    return [v for v in vars(env).values() if isinstance(v, Health)]
+    """The remote tools an environment holds (``HttpTool``, ``ChatJudge``): as attributes, in
+    lists, tuples or dicts of them, or one object down; for the runner's ``check_health()``."""
+    found: list[Health] = []
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, Health):
+            found.append(value) if all(value is not f for f in found) else None
+        elif isinstance(value, list | tuple | set):
+            [visit(v, depth) for v in value]
+        elif isinstance(value, dict):
+            [visit(v, depth) for v in value.values()]
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type):
+            [visit(v, depth - 1) for v in vars(value).values()]
+
+    [visit(v, 1) for v in vars(env).values()]
+    return found
 
 
 def is_int(x: Any) -> bool:
@@ -296,99 +332,3 @@ class _Batcher:
     client: Any
     queue: list[tuple[Any, asyncio.Future]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
-
-
-class Server:
-    """A local HTTP server in this process: of ``fn`` (one input -> one output, a function or a
-    coroutine function) under the protocol above, or of any ASGI ``app``."""
-
-    def __init__(
-        self, fn: Callable[[Any], Any] | None = None, host: str = "127.0.0.1", port: int = 0, app: Any = None
-    ) -> None:
-        import uvicorn
-
-        from data.envs.tools import is_async
-
-        self.fn, self._async = fn, fn is not None and is_async(fn)
-        self.batches: list[int] = []  # inputs per request received
-        self.authorization: list[str | None] = []  # the Authorization header of each request
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}/"
-        asgi = self._guard(app or self._app)
-        config = uvicorn.Config(
-            asgi, host=host, port=port, log_level="warning", lifespan="off", interface="asgi3"
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="asyncrl-http-tool", daemon=True)
-
-    def _guard(self, app: Any) -> Callable:
-        async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
-            try:
-                await app(scope, receive, send)
-            except asyncio.CancelledError:
-                if not self._server.should_exit:
-                    raise  # stop() drops requests in flight quietly; nothing else may
-
-        return guarded
-
-    async def _app(self, scope: dict, receive: Callable, send: Callable) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = dict(scope.get("headers") or [])
-        self.authorization.append(headers[b"authorization"].decode() if b"authorization" in headers else None)
-        try:
-            inputs = json.loads(body)["inputs"]
-            assert isinstance(inputs, list), "inputs is not a list"
-        except Exception as e:  # noqa: BLE001 - a bad request: the client sees why
-            payload, status = {"error": f"bad request: {type(e).__name__}: {e}"}, 400
-        else:
-            self.batches.append(len(inputs))
-            results = [await self._one(x) for x in inputs]
-            payload, status = {"outputs": [y for y, _ in results], "errors": [e for _, e in results]}, 200
-        start = {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-        await send(start)
-        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
-
-    async def _one(self, x: Any) -> tuple[Any, str | None]:
-        """(output, None), or (None, the error's text): one input's failure is its own."""
-        try:
-            y = await self.fn(x) if self._async else self.fn(x)
-            json.dumps(y)  # an output that cannot be sent fails its input only
-            return y, None
-        except Exception as e:  # noqa: BLE001 - sent back as text
-            return None, f"{type(e).__name__}: {e}"
-
-    def start(self, timeout_s: float = 10.0) -> Server:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"the tool server at {self.url} did not start within {timeout_s:g} s")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        """Stop now: requests still in flight are dropped, not waited for."""
-        self._server.should_exit = self._server.force_exit = True
-        self._thread.join(5)
-
-
-def serve(fn: Callable[[Any], Any], host: str = "127.0.0.1", port: int = 0) -> Server:
-    """Start a local server of ``fn`` and return it (``.url``, ``.stop()``, ``.batches``)."""
-    return Server(fn, host, port).start()
-
-
-def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> Server:
-    """Start a local server of an ASGI ``app`` (a stand-in for a remote service in tests)."""
-    return Server(None, host, port, app=app).start()

@@ -95,9 +95,7 @@ class RolloutController(HandOff):
             "an int >= 2 with rollout.group_filter (one response is never informative)",
         )
         self.group_filter = group_filter
-        self.overlong = overlong
-        if overlong is not None:
-            overlong.check_fits(sampling.max_tokens)
+        self.overlong = overlong  # its buffer is checked against the budget in bind (an episode's, too)
         self.ctx: RolloutContext | None = None
         self.bias = BiasTracker()
         self.next_group_id = 0
@@ -187,6 +185,8 @@ class RolloutController(HandOff):
         self.check_advantage(ctx.advantage)
         self.close_rewards()  # a new task needs new workers
         self.ctx = ctx
+        if self.overlong is not None:  # at start-up: overlong_fits_budget (data/rollout/shaping.py)
+            self.overlong.check_fits(self.token_budget)
         self._start_rewards()
 
     def plan_group(self, row: dict) -> list[Pending]:
@@ -286,11 +286,13 @@ class RolloutController(HandOff):
         # an episode's observation tokens are context, not trained on (mask 0)
         mask = p.prefix_mask + self._mask(comp) if comp.loss_mask is not None or p.prefix_mask else None
         if self.overlong is not None:
-            # the model's own tokens against the budget (an episode's observations are not its length)
+            # the model's own tokens against the room the budget left them (an episode's
+            # observations are neither its length nor its room)
             length = len(token_ids) if mask is None else sum(mask)
-            reward += self.overlong.length_penalty(length, budget)
+            reward += self.overlong.length_penalty(length, budget - (len(token_ids) - length))
             cut = self.overlong.mask(truncated, len(token_ids))
-            mask = cut if mask is None or cut is None else [a * b for a, b in zip(mask, cut)]
+            if cut is not None:  # no cut: the episode's mask stays as it is
+                mask = cut if mask is None else [a * b for a, b in zip(mask, cut)]
         exp = Experience(
             prompt_id=int(p.row.get("id", -1)),
             group_id=p.group_id,

@@ -126,5 +126,5 @@ def experience_line(e: Experience, step: int, version: int) -> dict[str, Any]:
         "weight": e.weight,
         **({"turns": e.extras["turns"]} if "turns" in e.extras else {}),
         # an episode's environment errors scored 0 under data.reward_errors=zero (docs/envs.md)
-        **({"env_errors": sum("env_error" in t for t in e.extras["turns"])} if "turns" in e.extras else {}),
+        **({"env_errors": len(e.extras["turns"][-1].get("env_errors", []))} if e.extras.get("turns") else {}),
     }

@@ -25,7 +25,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from modules.config.errors import check
 
@@ -55,8 +56,21 @@ class InformativeGroups:
         return max(1, min(cap, math.ceil(need / rate)))
 
 
+def overlong_fits_budget(cfg: Any) -> None:
+    """Cross-field rule of ``Overlong``: the soft punishment's buffer is below the response's
+    budget (an episode's, ``env.max_total_tokens``, when it sets one)."""
+    buffer = (cfg.rollout.get("overlong") or {}).get("buffer") or 0
+    env_budget = (cfg.get("env") or {}).get("max_total_tokens")
+    budget = env_budget if env_budget is not None else cfg.rollout.sampling.max_tokens
+    field = "env.max_total_tokens" if env_budget is not None else "rollout.sampling.max_tokens"
+    if isinstance(buffer, int) and isinstance(budget, int) and buffer:
+        check("rollout.overlong.buffer", buffer, buffer < budget, f"an int below {field}={budget}")
+
+
 class Overlong:
     """Overlong filtering (mask truncated responses) and soft overlong punishment."""
+
+    cross_field_rules: ClassVar[tuple[Callable[[Any], None], ...]] = (overlong_fits_budget,)
 
     def __init__(self, filter: bool = False, buffer: int = 0, penalty: float = 1.0) -> None:  # noqa: A002
         check("rollout.overlong.filter", filter, isinstance(filter, bool), "true or false")
@@ -76,7 +90,7 @@ class Overlong:
             "rollout.overlong.buffer",
             self.buffer,
             self.buffer < max_tokens,
-            f"an int below rollout.sampling.max_tokens={max_tokens}",
+            f"an int below the response's token budget ({max_tokens})",
         )
 
     def length_penalty(self, length: int, max_tokens: int) -> float:

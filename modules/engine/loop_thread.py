@@ -34,6 +34,10 @@ class LoopThread:
         self._ready = threading.Event()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -40,7 +40,7 @@ FULL_PRECISION = ("32", "32-true", "64", "64-true", 32, 64)
 # Cross-field rules kept beside the class they concern (a ``cross_field_rules`` tuple on the
 # class), found through the ``_target_`` of these config nodes; e.g. ``rollout.staleness``:
 # data/rollout/staleness.py, recompute_needs_bypass_anchor.
-RULE_HOLDERS = ("rollout.staleness", "env")
+RULE_HOLDERS = ("rollout.staleness", "rollout.overlong", "env")
 
 
 def class_rules(
@@ -172,7 +172,7 @@ CROSS_FIELD_RULES: tuple[Callable[[DictConfig], None], ...] = (
     lr_positive,  # here: the optimizer is torch's
     lag_needs_sync_barrier,  # modules/callbacks/weight_sync.py
     torch_threads_positive,  # here
-    data_side_rules,  # data/rollout/staleness.py (recompute), data/envs/base.py (episode budget)
+    data_side_rules,  # data/rollout/staleness.py (recompute), shaping.py (overlong), data/envs/base.py
     nccl_needs_gpu_trainer,  # modules/engine/gpus.py
     engine_gpus_apart_from_trainer,  # modules/engine/gpus.py
     checkpoint_between_rollout_batches,  # modules/callbacks/checkpointing.py

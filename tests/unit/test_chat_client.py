@@ -14,7 +14,8 @@ import time
 import pytest
 
 from data.envs.chat_client import ChatJudge, JudgedTask, JudgeReplyError, first_number
-from data.envs.http import RemoteDownError, RemoteError, RemoteTimeout, serve_app
+from data.envs.http import RemoteDownError, RemoteError, RemoteTimeout
+from data.envs.http_server import serve_app
 from modules.config.errors import ConfigError
 
 

@@ -15,6 +15,7 @@ from data.envs.base import Step, check_episodes_fit, episode_fits_engine
 from data.envs.env_calls import EnvironmentFault
 from data.envs.episodes import EpisodeRunner
 from modules.config.errors import ConfigError
+from modules.engine.types import Completion
 from tests.unit.test_episodes import PROMPT, ROW, SAMPLING, TOK, Calc, ScriptedEngine, run
 
 
@@ -296,3 +297,161 @@ def test_a_missing_model_names_the_recipe_that_builds_it(tmp_path):
     assert "make sft" in build_command(tmp_path / "tiny-qwen-sft")
     with pytest.raises(ConfigError, match="recipe=sft_calculator"):
         _check_model_path("model.path", str(tmp_path / "tiny-qwen-sft-calc"), required=True)
+
+
+# ---------------------------------------------------------------- review findings (issue 53)
+class SlowReset(Tracked):
+    async def reset(self, row, seed=None):
+        await asyncio.sleep(0.4)
+        return {"row": row, "sandbox": True}
+
+
+def test_an_episode_cancelled_during_reset_is_still_cleaned_up():
+    env = SlowReset()
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    fut = runner.submit(PROMPT, ROW, SAMPLING, 0, "r")
+    time.sleep(0.1)
+    fut.cancel()
+    deadline = time.monotonic() + 5
+    while not env.cleaned and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.close()
+    assert env.cleaned == [(0, "cancelled")]
+
+
+class StepInUse(Tracked):
+    """``step`` holds a resource for 0.6 s; ``cleanup`` records whether the step still held it."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.in_step = threading.Event()
+        self.overlap = None
+
+    async def step(self, state, turn):
+        self.in_step.set()
+        time.sleep(0.6)  # blocking: cancellation cannot interrupt it
+        self.in_step.clear()
+        return await super().step(state, turn)
+
+    def cleanup(self, state, reason):
+        self.overlap = self.in_step.is_set()
+        super().cleanup(state, reason)
+
+
+def test_cleanup_after_a_cancel_waits_for_the_step_that_still_runs():
+    env = StepInUse()
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    fut = runner.submit(PROMPT, ROW, SAMPLING, 0, "r")
+    assert env.in_step.wait(5)
+    fut.cancel()
+    deadline = time.monotonic() + 5
+    while not env.cleaned and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.close()
+    assert env.cleaned == [(0, "cancelled")] and env.overlap is False
+
+
+def test_environment_call_threads_are_daemons():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Calc(workers=3), TOK)
+    run(runner)
+    threads = [t for t in threading.enumerate() if t.name.startswith("asyncrl-env-call")]
+    assert threads and all(t.daemon for t in threads)
+    runner.close()
+
+
+class EarnsThenFails(Calc):
+    async def step(self, state, turn):
+        if turn.endswith("="):
+            return Step(observation="221\n", reward=1.0)
+        raise RuntimeError("broken scorer")
+
+
+def test_under_zero_an_episode_with_an_error_scores_zero_whatever_it_earned_before():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), EarnsThenFails(), TOK, "zero")
+    comp = run(runner)
+    assert comp.reward == 0.0 and len(comp.turns[-1]["env_errors"]) == 1
+    runner.close()
+
+
+class BadStep(Calc):
+    def __init__(self, step, **kw) -> None:
+        super().__init__(**kw)
+        self.bad = step
+
+    async def step(self, state, turn):
+        return self.bad
+
+
+@pytest.mark.parametrize("bad", [Step(reward=None), Step(reward="1.0x"), Step(info=[1]), "done", None])
+def test_a_malformed_step_is_a_fault_not_a_crash(bad):
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), BadStep(bad), TOK, "zero")
+    assert run(runner).reward == 0.0
+    assert runner.take_stats()["env/env_errors_step"] == 1
+    runner.close()
+
+
+def test_waiting_for_a_free_thread_does_not_count_against_the_call_timeout():
+    env = Blocking(0.4, call_timeout_s=0.6, workers=1)
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), env, TOK)
+    futs = [runner.submit(PROMPT, {**ROW, "id": 1}, SAMPLING, i, f"r{i}") for i in range(3)]
+    assert [f.result(timeout=10).reward for f in futs] == [1.0, 1.0, 1.0]
+    runner.close()
+
+
+def test_remote_tools_are_found_in_containers():
+    from data.envs.http import HttpTool, remote_tools
+
+    env = Calc()
+    a, b, c = (HttpTool(f"http://127.0.0.1:{p}/") for p in (1, 2, 3))
+    env.pool = [a]
+    env.by_name = {"b": b}
+    env.holder = type("Holder", (), {})()
+    env.holder.client = c
+    assert {t.url for t in remote_tools(env)} == {a.url, b.url, c.url}
+
+
+def test_evaluation_tool_calls_are_counted_apart_from_training():
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Calc(), TOK)
+    runner.submit(PROMPT, ROW, SAMPLING, 0, "e0", phase="eval").result(timeout=10)
+    assert runner.take_stats("train")["env/tool_calls"] == 0
+    assert runner.take_stats("eval")["env/tool_calls"] == 1
+    runner.close()
+
+
+def test_an_http_tool_batches_calls_from_every_environment_thread():
+    """Environment calls run on loops of their own (one per pool thread): a remote tool still
+    batches them and bounds them as one client."""
+    from data.envs.http import HttpTool
+    from data.envs.http_server import serve
+
+    server = serve(lambda x: x * 2)
+    tool = HttpTool(server.url, batch_size=8, max_wait_s=0.2)
+    results: list = []
+
+    def caller(x: int) -> None:
+        results.append(asyncio.run(tool.call(x)))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    tool.close_io()
+    server.stop()
+    assert sorted(results) == [2 * i for i in range(8)] and tool.requests < 8
+
+
+def test_overlong_keeps_an_episodes_mask_and_penalises_its_model_tokens():
+    from types import SimpleNamespace
+
+    from data.rollout.requests import Pending
+    from data.rollout.shaping import Overlong
+    from data.rollout.sync import SyncRollout
+
+    ctl = SyncRollout(1, 2, SAMPLING.__class__(max_tokens=8), overlong=Overlong(buffer=4))
+    ctl.ctx = SimpleNamespace(episodes=SimpleNamespace(budget=lambda sampling: 20))
+    mask = [1] * 8 + [0] * 4 + [1] * 8  # 16 model tokens, 4 of observation: the budget is full
+    comp = Completion(
+        "r", [1], list(range(20)), [-0.5] * 20, "length", 0.0, 1.0, [(0, 0, 20)], loss_mask=mask, reward=1.0
+    )
+    exp = ctl.to_experience(comp, Pending({"id": 0}, 0, 0, 1, 0, prompt_ids=[1]))
+    assert exp.loss_mask == mask  # observation tokens stay out of the loss
+    assert exp.reward == 0.0  # 16 model tokens of the 16 the budget left them: the full penalty

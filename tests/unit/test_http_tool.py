@@ -12,7 +12,8 @@ import time
 import pytest
 
 from data.envs.calculator_env import calculate
-from data.envs.http import HttpTool, serve
+from data.envs.http import HttpTool
+from data.envs.http_server import serve
 from data.envs.tools import ToolRunner
 
 
@@ -104,7 +105,7 @@ def test_a_server_error_is_a_tool_error_not_a_crash(server):
 
 def test_a_server_without_errors_in_its_answer_still_works():
     """Backward compatible: ``{"outputs": [...]}`` alone is a batch of successes."""
-    from data.envs.http import serve_app
+    from data.envs.http_server import serve_app
 
     s = serve_app(asgi(200, json.dumps({"outputs": [7]}).encode()))
     try:
@@ -125,7 +126,7 @@ def test_a_server_without_errors_in_its_answer_still_works():
 def test_a_whole_request_failure_fails_every_call_with_status_and_text(status, body, expected):
     """Every call of the batch fails, each error carrying the status code and the server's text
     (the old client raised httpx's status error, which drops the body)."""
-    from data.envs.http import serve_app
+    from data.envs.http_server import serve_app
 
     s = serve_app(asgi(status, body))
     tool = HttpTool(s.url, max_wait_s=0.05)

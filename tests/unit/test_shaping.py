@@ -102,8 +102,8 @@ def test_overlong_penalty_values():
     o = Overlong(buffer=4, penalty=1.0)
     assert [o.length_penalty(n, 10) for n in (5, 6, 7, 8, 10, 12)] == [0, 0, -0.25, -0.5, -1.0, -1.0]
     assert Overlong().length_penalty(10, 10) == 0
-    with pytest.raises(ConfigError, match="rollout.overlong.buffer"):
-        SyncRollout(1, 1, SamplingConfig(max_tokens=8), overlong=Overlong(buffer=8))
+    with pytest.raises(ConfigError, match="rollout.overlong.buffer"):  # refused when bound
+        bind(SyncRollout(1, 2, SamplingConfig(max_tokens=8), overlong=Overlong(buffer=8)), [INFORMATIVE])
     with pytest.raises(ConfigError, match="rollout.overlong.filter"):
         Overlong(filter="yes")
 
