@@ -103,9 +103,13 @@ def test_a_group_is_cancelled_only_once_it_cannot_be_trained():
     with ctl._cv:
         ctl._top_up()  # 4 groups submitted at version 0
         assert len(ctl._groups) == 4
-        ctl.bound.policy.retire(ctl.bound, ctl, 2)  # K + 1 versions after submission: its first token may be newer
+        ctl.bound.policy.retire(
+            ctl.bound, ctl, 2
+        )  # K + 1 versions after submission: its first token may be newer
         assert len(ctl._groups) == 4 and ctl.counters["cancelled"] == 0
-        ctl.bound.policy.retire(ctl.bound, ctl, 3)  # K + 2: past the bound whenever it started within a version
+        ctl.bound.policy.retire(
+            ctl.bound, ctl, 3
+        )  # K + 2: past the bound whenever it started within a version
         assert not ctl._groups and not ctl._requests and ctl.counters["cancelled"] == 4
     assert not eng._running  # every slot freed
 
