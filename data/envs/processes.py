@@ -203,9 +203,7 @@ class ProcessTool:
         with self._lock:
             worker = self._idle.pop() if self._idle else None
         if worker is None:
-            starting = asyncio.ensure_future(
-                on_daemon_thread(_Worker, (self._ctx, self.memory_mb, self.cpu_s))
-            )
+            starting = asyncio.ensure_future(on_daemon_thread(self._start_worker, ()))
             try:
                 worker = await asyncio.shield(starting)
             except asyncio.CancelledError:  # timed out while it started: stop it once it has
@@ -231,6 +229,19 @@ class ProcessTool:
         if not ok:
             raise RuntimeError(output)
         return output
+
+    def _start_worker(self) -> _Worker:
+        """A new worker, counted as busy from birth (on its starting thread): a call that times
+        out while it starts, or a close meanwhile, still finds and kills it."""
+        worker = _Worker(self._ctx, self.memory_mb, self.cpu_s)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._busy.add(worker)
+        if closed:
+            worker.kill()
+            raise RuntimeError("ProcessTool is closed")
+        return worker
 
     def _discard_started(self, starting: asyncio.Future) -> None:
         if not starting.cancelled() and starting.exception() is None:

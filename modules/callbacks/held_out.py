@@ -6,6 +6,7 @@ python train.py callbacks.eval.every_n_versions=5    # greedy + sampled held-out
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -13,6 +14,8 @@ import torch
 
 from modules.callbacks.weight_sync import WeightSync
 from modules.config.errors import check
+
+log = logging.getLogger(__name__)
 
 
 class EngineStats(L.Callback):
@@ -120,6 +123,8 @@ class HeldOutEval(L.Callback):
             self._run(trainer, pl_module)
         if trainer.global_rank == 0 and len(self.history) > 1:
             self.summary = before_after(self.history[0], self.history[-1])  # train.py prints it last
+        if trainer.global_rank == 0:  # the run shuts down next (checkpoint, engine stop)
+            log.info("final held-out evaluation done (%d in all); shutting down", len(self.history))
 
     def _last_version(self) -> int:
         return int(self.history[-1]["policy_version"]) if self.history else -1

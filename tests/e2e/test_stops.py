@@ -104,7 +104,7 @@ def test_sigterm_in_each_phase_stops_cleanly(tmp_path, models, phase):
     elif phase == "shutdown":
         log = tmp_path / "train.log"
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and "held-out sampled reward" not in (
+        while time.monotonic() < deadline and "final held-out evaluation done" not in (
             log.read_text() if log.exists() else ""
         ):
             assert proc.poll() is None, proc.stderr.read()[-3000:]

@@ -348,7 +348,9 @@ def test_cleanup_after_a_cancel_waits_for_the_step_that_still_runs():
     while not env.cleaned and time.monotonic() < deadline:
         time.sleep(0.02)
     runner.close()
-    assert env.cleaned == [(0, "cancelled")] and env.overlap is False
+    # cleaned once, never while the step still ran ("done" when the cancel lost the race with
+    # the step's end on a loaded machine: the episode had finished)
+    assert len(env.cleaned) == 1 and env.cleaned[0][1] in ("cancelled", "done") and env.overlap is False
 
 
 def test_environment_call_threads_are_daemons():
