@@ -126,3 +126,13 @@ class SigtermAtEvaluationTask(DigitShareTask):
             SigtermAtEvaluationTask.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
         return super().reward(row, response)
+
+
+class StepFailsOnOddPrompts(EveryTurnAnswered):
+    """``EveryTurnAnswered``, but ``step`` raises on prompts with an odd id: an environment bug
+    that must stop the run (data.reward_errors=fail) or be counted (zero), never a silent 0."""
+
+    async def step(self, state: dict, turn: str) -> Step:
+        if state["row"]["id"] % 2:
+            raise ValueError("a bug in the environment")
+        return await super().step(state, turn)

@@ -268,3 +268,36 @@ def test_knob_recipes_end_to_end(tmp_path, models, recipe):
     else:
         assert float(train_rows[-1]["rollout/groups_sampled_per_trained"]) >= 1.0
         assert "rollout/filtered" in train_rows[-1]
+
+
+@pytest.mark.parametrize("policy", ["fail", "zero"])
+def test_an_environment_that_raises_stops_the_run_or_is_counted(tmp_path, models, policy):
+    """data.reward_errors applies to environments: ``fail`` stops the run with one error naming
+    the environment, the method and the prompt; ``zero`` scores the episode 0 and counts it
+    (env/env_errors, env_errors in experiences.jsonl)."""
+    overrides = [
+        "recipe=agent_calculator",
+        *SHRINK,
+        f"model.path={models['tied']}",
+        "env._target_=tests.helpers.StepFailsOnOddPrompts",
+        "env.max_turn_tokens=6",
+        "trainer.max_steps=2",
+        "data.eval_size=0",
+        f"data.reward_errors={policy}",
+    ]
+    if policy == "fail":
+        proc = subprocess.run(
+            [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 1
+        assert "StepFailsOnOddPrompts failed in step on prompt id" in proc.stderr + proc.stdout
+        return
+    rows = [r for r in train(tmp_path, *overrides) if r["train/loss"]]
+    assert sum(float(r["env/env_errors"]) for r in rows) > 0
+    lines = [json.loads(x) for x in (tmp_path / "experiences.jsonl").read_text().splitlines()]
+    failed = [line for line in lines if line["prompt_id"] % 2]
+    assert failed and all(line["env_errors"] >= 1 and line["reward"] == 0.0 for line in failed)

@@ -457,3 +457,17 @@ def test_overlong_keeps_an_episodes_mask_and_penalises_its_model_tokens():
     exp = ctl.to_experience(comp, Pending({"id": 0}, 0, 0, 1, 0, prompt_ids=[1]))
     assert exp.loss_mask == mask  # observation tokens stay out of the loss
     assert exp.reward == 0.0  # 16 model tokens of the 16 the budget left them: the full penalty
+
+
+def test_closing_the_runner_leaves_no_thread_behind():
+    before = {t.ident for t in threading.enumerate()}
+    runner = EpisodeRunner(ScriptedEngine(["13*17=", "221.\x01"]), Calc(workers=4), TOK)
+    [f.result(timeout=10) for f in [runner.submit(PROMPT, ROW, SAMPLING, i, f"r{i}") for i in range(6)]]
+    runner.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, left
