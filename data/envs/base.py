@@ -62,15 +62,21 @@ def _positive(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def episode_budget(max_total_tokens: int | None, max_tokens: int) -> tuple[int, str]:
+    """An episode's token budget after its prompt and the field that sets it: ``env.max_total_tokens``,
+    or ``rollout.sampling.max_tokens`` when that is null."""
+    if max_total_tokens is not None:
+        return max_total_tokens, "env.max_total_tokens"
+    return max_tokens, "rollout.sampling.max_tokens"
+
+
 def episode_fits_engine(cfg: Any) -> None:
     """Cross-field rule of every environment: the episode's token budget (``env.max_total_tokens``,
     or ``rollout.sampling.max_tokens``) leaves room for a prompt within ``engine.max_model_len``,
     and a model turn (``env.max_turn_tokens``) fits in the episode. The longest prompt of the task
     is checked against the budget when the run starts (``RolloutDataModule.preflight``)."""
     env, mml = cfg.env, cfg.engine.max_model_len
-    total = env.get("max_total_tokens")
-    budget = total if total is not None else cfg.rollout.sampling.max_tokens
-    field = "env.max_total_tokens" if total is not None else "rollout.sampling.max_tokens"
+    budget, field = episode_budget(env.get("max_total_tokens"), cfg.rollout.sampling.max_tokens)
     if isinstance(budget, int) and isinstance(mml, int):
         check(
             field,
@@ -109,8 +115,7 @@ def check_episodes_fit(
     """Start-up check with the tokenizer: each ``env.stop`` is one token, and the longest prompt
     plus the episode's budget fits ``engine.max_model_len`` (so no turn's context overflows)."""
     stop_token_ids(tokenizer, env.stop)
-    budget = env.max_total_tokens or max_tokens
-    field = "env.max_total_tokens" if env.max_total_tokens else "rollout.sampling.max_tokens"
+    budget, field = episode_budget(env.max_total_tokens, max_tokens)
     longest = max((len(tokenizer(p)["input_ids"]) for p in prompts), default=0)
     if max_model_len is not None:
         allowed = f"an int <= engine.max_model_len={max_model_len} - {longest} (the task's longest prompt)"

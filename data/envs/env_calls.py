@@ -151,9 +151,13 @@ class EnvCalls:
         out.update({f"env/env_errors_{m}": float(counts[m]) for m in METHODS if counts[m]})
         return out
 
+    def spawn(self, method: str, *args: Any) -> cf.Future:
+        """``env.<method>(*args)`` on the pool, not waited for here (its future)."""
+        return self.pool.submit(self._run, getattr(self.env, method), args, {})[1]
+
     def run_sync(self, method: str, row: dict | None, timeout_s: float, *args: Any) -> None:
         """``env.<method>(*args)`` from a thread outside any loop (teardown), bounded."""
-        _, fut = self.pool.submit(self._run, getattr(self.env, method), args, {})
+        fut = self.spawn(method, *args)
         try:
             fut.result(timeout=timeout_s)
         except cf.TimeoutError as e:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from data.envs.base import Environment, Step, stop_token_ids
+from data.envs.base import Environment, Step, episode_budget, stop_token_ids
 from data.envs.env_calls import Deadline, EnvCalls, EnvironmentFault, bad_step, finite_number
 from data.envs.http import remote_tools
 from data.envs.tools import PHASE
@@ -105,12 +105,14 @@ class EpisodeRunner:
         with self._lock:
             handed, self._handed = list(self._handed), set()
         for fut in handed:
-            if not fut.done():
+            try:
                 fut.set_exception(fault)
+            except cf.InvalidStateError:  # resolved or cancelled meanwhile
+                pass
 
     def budget(self, sampling: SamplingConfig) -> int:
         """Tokens an episode may hold after its prompt (model and observation alike)."""
-        return self.env.max_total_tokens or sampling.max_tokens
+        return episode_budget(self.env.max_total_tokens, sampling.max_tokens)[0]
 
     def submit(
         self,
@@ -140,14 +142,16 @@ class EpisodeRunner:
         def settle(f: cf.Future) -> None:
             with self._lock:
                 self._handed.discard(outer)
-            if outer.done():
-                return
             if f.cancelled():
                 outer.cancel()
-            elif f.exception() is not None:
-                outer.set_exception(f.exception())
-            else:
-                outer.set_result(f.result())
+                return
+            try:  # the caller may cancel ``outer`` at this very moment
+                if f.exception() is not None:
+                    outer.set_exception(f.exception())
+                else:
+                    outer.set_result(f.result())
+            except cf.InvalidStateError:
+                pass
 
         inner.add_done_callback(settle)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
@@ -208,7 +212,7 @@ class EpisodeRunner:
 
     def _clean_abandoned(self, env_state: Any) -> None:
         """A ``reset`` that returned after its episode was cancelled: clean what it made."""
-        self.calls.pool.submit(self.calls._run, self.env.cleanup, (env_state, "cancelled"), {})
+        self.calls.spawn("cleanup", env_state, "cancelled")
 
     async def _cleanup(self, state: EpisodeState, reason: str) -> None:
         if self._open.pop(id(state), None) is None:
@@ -217,9 +221,13 @@ class EpisodeRunner:
             await asyncio.shield(
                 self.calls.call("cleanup", state.row, Deadline(None), state.env_state, reason)
             )
-        except EnvironmentFault as fault:  # counted, never fatal: the episode is over
-            self.calls.count(PHASE.get(), "cleanup")
-            log.warning("%s", fault)
+        except EnvironmentFault as fault:
+            self._cleanup_failed(PHASE.get(), fault)
+
+    def _cleanup_failed(self, phase: str, fault: EnvironmentFault) -> None:
+        """Counted and logged, never fatal: the episode is over."""
+        self.calls.count(phase, "cleanup")
+        log.warning("%s", fault)
 
     async def _turns(
         self,
@@ -379,7 +387,6 @@ class EpisodeRunner:
             try:
                 self.calls.run_sync("cleanup", state.row, timeout_s, state.env_state, "teardown")
             except EnvironmentFault as fault:
-                self.calls.count("train", "cleanup")
-                log.warning("%s", fault)
+                self._cleanup_failed("train", fault)
         self.calls.close()
         self.env.close()

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from data.envs.base import episode_budget
 from modules.config.errors import check
 
 
@@ -60,9 +61,9 @@ def overlong_fits_budget(cfg: Any) -> None:
     """Cross-field rule of ``Overlong``: the soft punishment's buffer is below the response's
     budget (an episode's, ``env.max_total_tokens``, when it sets one)."""
     buffer = (cfg.rollout.get("overlong") or {}).get("buffer") or 0
-    env_budget = (cfg.get("env") or {}).get("max_total_tokens")
-    budget = env_budget if env_budget is not None else cfg.rollout.sampling.max_tokens
-    field = "env.max_total_tokens" if env_budget is not None else "rollout.sampling.max_tokens"
+    budget, field = episode_budget(
+        (cfg.get("env") or {}).get("max_total_tokens"), cfg.rollout.sampling.max_tokens
+    )
     if isinstance(buffer, int) and isinstance(budget, int) and buffer:
         check("rollout.overlong.buffer", buffer, buffer < budget, f"an int below {field}={budget}")
 
