@@ -4,19 +4,29 @@ The RL recipes start from a model that already solves some prompts (GRPO learns 
 groups whose rewards are all equal), so ``recipe=sft_warmup`` first trains the tiny random
 model on reference scratchpads. It is deliberately stopped early: accuracy lands in the
 middle, falling with difficulty, which leaves room for RL.
+
+The model's tokenizer: the character tokenizer of the tiny model (``tokenizer_path`` null: the
+model is built from a seed, ``model.build``), or a pretrained model's own (``tokenizer_path``:
+its directory; ``recipe=smollm2_sft_tools``). A demonstration is tokenised exactly as an
+episode is built (``data/envs/episodes.py``): the prompt by ``model.prompt_format``, each model
+turn alone, each observation as the prompt format renders it (a chat model: the template's
+tool turn) alone, then EOS; the loss is on the model's tokens and the final EOS only.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from modules.config.errors import check
+from modules.config.errors import ConfigError, check
+from modules.config.resources import build_command
+from modules.policy.prompt_format import PlainText
 from modules.policy.tiny_model import build_char_tokenizer
 
 
@@ -38,6 +48,22 @@ def segments(row: dict) -> list[tuple[str, bool]]:
 def target(row: dict) -> str:
     """The whole demonstrated response as text (observations included)."""
     return "".join(text for text, _ in segments(row))
+
+
+def demonstration_ids(
+    tokenizer: Any, prompt_format: Any, prompt: str, pieces: list[tuple[str, bool]]
+) -> tuple[list[int], list[int]]:
+    """A demonstration's ids and labels (-100 off the loss), built as an episode is: the prompt
+    by ``prompt_format.ids``, then each piece tokenised alone without special tokens, a model
+    turn trained, an observation rendered by ``prompt_format.observation`` and not trained."""
+    ids = list(prompt_format.ids(tokenizer, prompt))
+    labels = [-100] * len(ids)
+    for text, trained in pieces:
+        text = text if trained else prompt_format.observation(tokenizer, text)
+        piece = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids += piece
+        labels += piece if trained else [-100] * len(piece)
+    return ids, labels
 
 
 class LengthBucketSampler(Sampler[list[int]]):
@@ -80,6 +106,8 @@ class SFTDataModule(L.LightningDataModule):
         eval_batch_size: int = 128,
         num_workers: int = 0,
         level_weights: list[float] | None = None,
+        prompt_format: Any = None,
+        tokenizer_path: str | None = None,
     ) -> None:
         super().__init__()
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
@@ -92,13 +120,32 @@ class SFTDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
         self.level_weights = None if level_weights is None else tuple(level_weights)
-        self.tokenizer = build_char_tokenizer()
+        # model.prompt_format (modules/policy/prompt_format.py): a task's text -> the prompt's ids
+        self.prompt_format = prompt_format if prompt_format is not None else PlainText()
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer: Any = build_char_tokenizer() if tokenizer_path is None else None
 
     def preflight(self, max_model_len: int | None) -> None:
-        """Start-up checks before a model is built (``modules/launch/start.py``): none here."""
-        return None
+        """Start-up checks before a model is built (``modules/launch/start.py``): a pretrained
+        model's directory holds a model, and its tokenizer renders the prompt format."""
+        if self.tokenizer_path is None:
+            return
+        if not Path(self.tokenizer_path, "config.json").is_file():
+            raise ConfigError(
+                f"invalid config value data.tokenizer_path={self.tokenizer_path!r}: must be a model "
+                f"directory (with config.json): build it with {build_command(self.tokenizer_path)}"
+            )
+        self._load_tokenizer()
+        self.prompt_format.check(self.tokenizer, self.tokenizer_path)
+
+    def _load_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
 
     def setup(self, stage: str | None = None) -> None:
+        self._load_tokenizer()
         self.train_rows = self.task.build("sft", self.train_size, self.level_weights)
         self.eval_rows = self.task.build("eval", self.eval_size)
 
@@ -106,12 +153,7 @@ class SFTDataModule(L.LightningDataModule):
         tok, eos, pad = self.tokenizer, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         seqs, labels = [], []
         for r in rows:
-            p = tok(self.task.prompt_text(r))["input_ids"]
-            ids, lab = list(p), [-100] * len(p)
-            for text, trained in segments(r):  # each piece tokenised alone, as an episode is
-                piece = tok(text, add_special_tokens=False)["input_ids"]
-                ids += piece
-                lab += piece if trained else [-100] * len(piece)
+            ids, lab = demonstration_ids(tok, self.prompt_format, self.task.prompt_text(r), segments(r))
             seqs.append(ids + [eos])
             labels.append(lab + [eos])
         n = max(map(len, seqs))
@@ -126,7 +168,7 @@ class SFTDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rows = list(self.train_rows)
-        lengths = [len(r["prompt"]) + len(target(r)) for r in rows]
+        lengths = [len(r.get("prompt") or self.task.prompt_text(r)) + len(target(r)) for r in rows]
         sampler = LengthBucketSampler(lengths, self.batch_size)
         return DataLoader(
             rows, batch_sampler=sampler, collate_fn=self._collate_train, num_workers=self.num_workers

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from data.envs.episodes import stop_token_ids
+from data.envs.base import stop_token_ids
 
 
 class EpisodeRollout:

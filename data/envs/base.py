@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from data.envs.stops import Stops
 from data.envs.tools import ToolRunner
 from modules.config.errors import ConfigError, check
 
@@ -95,8 +96,9 @@ def episode_fits_engine(cfg: Any) -> None:
 
 
 def stop_token_ids(tokenizer: Any, stops: tuple[str, ...]) -> tuple[int, ...]:
-    """The token id of each ``env.stop`` string; each must be exactly one token (checked at
-    start-up, ``RolloutDataModule.preflight``)."""
+    """The token id of each ``env.stop`` string, each of which must be one token: the rule of
+    TRL's rollout hook (``tools/trl_episodes.py``), which stops ``generate`` on token ids; the
+    episode runner also takes stops of several tokens (``data/envs/stops.py``)."""
     ids = []
     for s in stops:
         tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
@@ -110,13 +112,13 @@ def stop_token_ids(tokenizer: Any, stops: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def check_episodes_fit(
-    env: Any, tokenizer: Any, prompts: list[str], max_tokens: int, max_model_len: int | None
+    env: Any, tokenizer: Any, longest: int, max_tokens: int, max_model_len: int | None
 ) -> None:
-    """Start-up check with the tokenizer: each ``env.stop`` is one token, and the longest prompt
-    plus the episode's budget fits ``engine.max_model_len`` (so no turn's context overflows)."""
-    stop_token_ids(tokenizer, env.stop)
+    """Start-up check with the tokenizer: each ``env.stop`` is text the tokenizer can produce
+    (``data/envs/stops.py``), and the longest prompt (``longest`` tokens) plus the episode's
+    budget fits ``engine.max_model_len`` (so no turn's context overflows)."""
+    Stops(tokenizer, env.stop)
     budget, field = episode_budget(env.max_total_tokens, max_tokens)
-    longest = max((len(tokenizer(p)["input_ids"]) for p in prompts), default=0)
     if max_model_len is not None:
         allowed = f"an int <= engine.max_model_len={max_model_len} - {longest} (the task's longest prompt)"
         check(field, budget, longest + budget <= max_model_len, allowed)
@@ -125,8 +127,8 @@ def check_episodes_fit(
 class Environment(ABC):
     """Base class of a multi-turn environment (one instance serves every episode of a run).
 
-    ``stop``: strings that end the model's turn (the engine stops after the token that ends
-    one; with a character tokenizer, one character). ``max_turns``: model turns per episode;
+    ``stop``: strings that end the model's turn, kept in it (one token: the character model's
+    ``=``; or several: a chat model's ``</tool_call>``; ``stops.py``). ``max_turns``: model turns per episode;
     ``max_turn_tokens``: tokens per model turn (a turn cut there is answered like any other);
     ``max_total_tokens``: the episode's tokens after the prompt, model and observation alike
     (what ``rollout.sampling.max_tokens`` is for a one-turn task). A turn that the model ends

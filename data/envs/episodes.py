@@ -5,10 +5,11 @@ the run has an environment (``env=...``): it returns a future of one ``Completio
 whole episode, so every rollout mode (sync, partial, streaming) runs episodes unchanged.
 
 An episode: the context is the prompt's token ids; each model turn is one engine request on
-the context so far, ended by EOS, one of the environment's stop tokens or the token budget;
-its tokens, behaviour logprobs and policy-version spans are appended as the engine returned
+the context so far, ended by EOS, one of the environment's stops (a token, or a string of
+several tokens: ``stops.py``) or the token budget; its tokens, behaviour logprobs and policy-version spans are appended as the engine returned
 them (never decoded and re-encoded); the turn's text goes to ``env.step``, whose observation
-is tokenised once and appended with loss mask 0 and behaviour logprob 0 (the loss, the KL,
+is rendered by the model's prompt format (a chat model: its template's tool turn), tokenised
+once and appended with loss mask 0 and behaviour logprob 0 (the loss, the KL,
 the IS ratios and the drift metrics all read the mask). The episode ends when the environment
 says done, the model ends without a stop token (EOS), ``max_turns`` model turns are done, or
 the episode's tokens reach its budget.
@@ -33,15 +34,17 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from data.envs.base import Environment, Step, episode_budget, stop_token_ids
+from data.envs.base import Environment, Step, episode_budget
 from data.envs.env_calls import Deadline, EnvCalls, EnvironmentFault, bad_step, finite_number
 from data.envs.http import remote_tools
+from data.envs.stops import Stops
 from data.envs.tools import PHASE
 from modules.engine.loop_thread import LoopThread
 from modules.engine.types import Completion, SamplingConfig
+from modules.policy.prompt_format import PlainText
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +72,15 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 class EpisodeRunner:
-    def __init__(self, engine: Any, env: Environment, tokenizer: Any, on_error: str = "fail") -> None:
+    def __init__(
+        self, engine: Any, env: Environment, tokenizer: Any, on_error: str = "fail", prompt_format: Any = None
+    ) -> None:
         self.engine = engine
         self.env = env
         self.tokenizer = tokenizer
-        self.stop_token_ids = stop_token_ids(tokenizer, env.stop)
+        # model.prompt_format: how an observation is rendered (a chat model: the template's tool turn)
+        self.prompt_format = prompt_format if prompt_format is not None else PlainText()
+        self.stops = Stops(tokenizer, env.stop)  # token stops and text stops
         self.calls = EnvCalls(env, on_error)
         self._thread: LoopThread | None = None
         self._lock = threading.Lock()
@@ -253,17 +260,14 @@ class EpisodeRunner:
             if room <= 0:
                 finish = "length"
                 break
-            cap = (
-                room
-                if env.max_turn_tokens is None
-                else min(room, env.max_turn_tokens - self._turn_len(prefix, tokens, state))
-            )
+            turn_len = len(prefix) + len(tokens) - state.turn_start  # a turn resumed after an abort
+            cap = room if env.max_turn_tokens is None else min(room, env.max_turn_tokens - turn_len)
             sub = f"{rid}-t{len(state.turns)}" + (f"-r{k}" if k else "")
             k += 1
             if cap <= 0:  # resumed exactly at the turn's cap: the turn is complete
                 comp = Completion(sub, [], [], [], "length", time.time(), time.time(), [])
             else:
-                turn_sampling = replace(sampling, max_tokens=cap, stop_token_ids=self.stop_token_ids)
+                turn_sampling = self.stops.sampling(sampling, cap)
                 seed = turn_seed(state.seed, len(state.turns) * 1000 + k)
                 fut = self.engine.submit(
                     prompt_ids + prefix + tokens, turn_sampling, seed=seed, request_id=sub
@@ -281,8 +285,12 @@ class EpisodeRunner:
                 finish = "abort"  # the controller resubmits; the turn resumes at state.turn_start
                 break
             turn_ids = (prefix + tokens)[state.turn_start :]
+            keep, ended_by_stop = self.stops.end(self.tokenizer, turn_ids)
+            extra = min(len(turn_ids) - keep, len(comp.token_ids))  # sampled past a text stop
+            if extra:
+                del tokens[-extra:], logprobs[-extra:], mask[-extra:], turn_ids[-extra:]
+                spans = [(v, s, min(e, len(tokens))) for v, s, e in spans if s < len(tokens)]
             text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
-            ended_by_stop = bool(turn_ids) and turn_ids[-1] in self.stop_token_ids
             eos = comp.finish_reason == "stop" and not ended_by_stop  # the model ended the episode
             record: dict[str, Any] = {
                 "span": [state.turn_start, len(prefix) + len(tokens)],
@@ -296,10 +304,10 @@ class EpisodeRunner:
             last = len(state.turns) + 1 >= env.max_turns  # no model turn would read an observation
             if eos or step.done or room <= 0 or last:
                 state.turns.append({**record, **self._record(step), "observation": [0, 0]})
-                cut = comp.finish_reason == "length" and room <= 0  # the budget cut the model's turn
+                cut = comp.finish_reason == "length" and not ended_by_stop and room <= 0  # the budget cut it
                 finish = "length" if cut or not (eos or step.done or last) else "stop"
                 break
-            obs = self._encode(step.observation)[:room]
+            obs = self._encode(self.prompt_format.observation(self.tokenizer, step.observation))[:room]
             at = len(prefix) + len(tokens)
             tokens += obs
             logprobs += [0.0] * len(obs)
@@ -338,11 +346,6 @@ class EpisodeRunner:
             episode=state,
         )
         return comp
-
-    @staticmethod
-    def _turn_len(prefix: list[int], tokens: list[int], state: EpisodeState) -> int:
-        """Tokens the current model turn already holds (a turn resumed after an abort)."""
-        return len(prefix) + len(tokens) - state.turn_start
 
     async def _step(self, state: EpisodeState, text: str, row: dict) -> Step:
         try:

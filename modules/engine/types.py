@@ -68,6 +68,9 @@ class SamplingConfig:
     # tokens that end a request besides EOS, kept in its output (a multi-turn episode ends
     # the model's turn with one: a tool call's closing token; ``data/envs``)
     stop_token_ids: tuple[int, ...] = ()
+    # strings that end a request (checked on the detokenized text), kept in its output: a stop
+    # of several tokens (SmolLM2's "</tool_call>" is five); the sampled ids are kept as sampled
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(
@@ -90,6 +93,8 @@ class SamplingConfig:
         }
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            out["stop"] = list(self.stop)
         return out
 
 

@@ -295,11 +295,15 @@ class VLLMEngine(HealthCheckedWaits):
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
             stop_token_ids=list(sampling.stop_token_ids) or None,
+            # stop strings are matched on detokenized text (vLLM's output processor); the token
+            # that completes one is kept, also when it runs past the string: token in, token out
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
             seed=seed,
             logprobs=0,  # logprob of the sampled token only
             prompt_logprobs=0 if logprobs_in else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
-            detokenize=False,
+            detokenize=bool(sampling.stop),
         )
         self._busy.enter()
         start = time.time()

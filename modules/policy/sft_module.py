@@ -5,7 +5,9 @@
 Loss is next-token cross-entropy on response tokens only. Validation decodes greedily with
 transformers (no engine needed) and logs the task reward as ``eval/reward_mean``, plus one
 ``eval/reward_level<k>`` per difficulty level. If ``model_path`` holds no model yet, a tiny
-random Qwen2 is built there first from ``build`` (deterministic).
+random Qwen2 is built there first from ``build`` (deterministic); with ``build`` null the
+model is a pretrained one (``recipe=smollm2_sft_tools`` starts from SmolLM2-135M-Instruct),
+and a missing one is refused naming the command that makes it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from modules.config.errors import check
+from modules.config.errors import ConfigError, check
+from modules.config.resources import build_command
 from modules.policy.hf_policy import load_policy
+from modules.policy.prompt_format import PlainText
 from modules.policy.schedules import optimizers
 from modules.policy.tiny_model import build_tiny_qwen
 
@@ -49,6 +53,11 @@ class SFTModule(L.LightningModule):
         if self.policy is not None:
             return
         if not (Path(self.model_path) / "config.json").exists():
+            if not self.build:  # model.build null: a pretrained model, not one built from a seed
+                raise ConfigError(
+                    f"invalid config value module.model_path={self.model_path!r}: must be a model "
+                    f"directory (with config.json): build it with {build_command(self.model_path)}"
+                )
             build_tiny_qwen(self.model_path, **self.build)
         self.policy, self.tokenizer = load_policy(self.model_path)
         self.policy.train()
@@ -62,9 +71,11 @@ class SFTModule(L.LightningModule):
 
     @torch.no_grad()
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        task = self.trainer.datamodule.task
+        data = self.trainer.datamodule
         self.policy.eval()
-        rewards = greedy_rewards(self.policy, self.tokenizer, task, rows, self.max_new_tokens)
+        rewards = greedy_rewards(
+            self.policy, self.tokenizer, data.task, rows, self.max_new_tokens, data.prompt_format
+        )
         for r, row in zip(rewards, rows):
             self._val.append((row["level"], r))
 
@@ -86,7 +97,7 @@ class SFTModule(L.LightningModule):
 
 
 def greedy_rewards(
-    model: Any, tokenizer: Any, task: Any, rows: list[dict], max_new_tokens: int
+    model: Any, tokenizer: Any, task: Any, rows: list[dict], max_new_tokens: int, prompt_format: Any = None
 ) -> list[float]:
     """Greedy-decode each prompt with transformers and score it with the task.
 
@@ -94,7 +105,8 @@ def greedy_rewards(
     would shift by the padding (``generate`` does not offset them here), and the model, trained
     on unpadded sequences, would be scored on inputs it never sees in the engine.
     """
-    prompts = [tokenizer(task.prompt_text(r))["input_ids"] for r in rows]
+    prompt_format = prompt_format if prompt_format is not None else PlainText()
+    prompts = [prompt_format.ids(tokenizer, task.prompt_text(r)) for r in rows]
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)

@@ -231,13 +231,15 @@ def test_evaluation_errors_are_counted_apart_from_training():
 def test_stops_and_the_episode_budget_are_checked_against_the_tokenizer_and_the_engine():
     two_token_stop = Calc()
     two_token_stop.stop = ("==",)
-    with pytest.raises(ConfigError, match="env.stop"):
-        check_episodes_fit(two_token_stop, TOK, ["13*17?"], 64, 512)
+    check_episodes_fit(two_token_stop, TOK, len("13*17?"), 64, 512)  # a text stop (data/envs/stops.py)
+    two_token_stop.stop = ("\x00=",)  # the character tokenizer decodes id 0 to nothing
+    with pytest.raises(ConfigError, match="env.stop.*can produce"):
+        check_episodes_fit(two_token_stop, TOK, len("13*17?"), 64, 512)
     with pytest.raises(ConfigError, match="rollout.sampling.max_tokens.*longest prompt"):
-        check_episodes_fit(Calc(), TOK, ["x" * 100], 64, 128)
+        check_episodes_fit(Calc(), TOK, 100, 64, 128)
     with pytest.raises(ConfigError, match="env.max_total_tokens"):
-        check_episodes_fit(Calc(max_total_tokens=100), TOK, ["x" * 40], 64, 128)
-    check_episodes_fit(Calc(max_total_tokens=80), TOK, ["x" * 40], 64, 128)
+        check_episodes_fit(Calc(max_total_tokens=100), TOK, 40, 64, 128)
+    check_episodes_fit(Calc(max_total_tokens=80), TOK, 40, 64, 128)
 
 
 def test_the_episode_budget_rule_names_the_field():

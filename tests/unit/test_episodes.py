@@ -226,9 +226,25 @@ def test_a_turn_cut_by_a_weight_sync_resumes_where_it_was():
     runner.close()
 
 
-def test_stop_strings_must_be_one_token():
+def test_a_stop_of_two_tokens_ends_the_turn_as_text_and_the_engine_is_asked_for_it():
+    """``==`` is two tokens: it goes to the engine as a text stop (vLLM matches it on its text);
+    this scripted engine ignores text stops, so the runner cuts the turn after the token that
+    completes it, as vLLM does, and the turn counts as ended by its stop."""
+    engine = ScriptedEngine(["13*17==x", "221.\x01"])
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda prompt, sampling, **kw: seen.append(sampling) or submit(prompt, sampling, **kw)
+    runner = EpisodeRunner(engine, replace_stop(Calc(), ("==",)), TOK)
+    comp = run(runner)
+    assert seen[0].stop == ("==",) and seen[0].stop_token_ids == ()
+    assert comp.token_ids[:7] == ids("13*17==") and comp.turns[0]["stop"] is True
+    assert comp.turns[0]["span"] == [0, 7] and comp.loss_mask[:7] == [1] * 7
+    runner.close()
+
+
+def test_a_stop_the_tokenizer_cannot_produce_is_refused():
     with pytest.raises(ValueError, match="env.stop"):
-        EpisodeRunner(ScriptedEngine(["x"]), replace_stop(Calc(), ("==",)), TOK)
+        EpisodeRunner(ScriptedEngine(["x"]), replace_stop(Calc(), ("\x00=",)), TOK)
 
 
 def replace_stop(env: Environment, stop: tuple[str, ...]) -> Environment:
