@@ -52,7 +52,7 @@ def test_smollm2_tool_recipes_two_steps_each(tmp_path):
     assert all(math.isfinite(float(r["train/loss"])) for r in steps)
     assert float(steps[-1]["perf/weight_sync_max_abs_diff"]) < 1.0  # the bf16 engine's tolerance
     summary = json.loads((run / "eval_summary.json").read_text())
-    for key in ("eval/reward_level0", "eval/sampled_reward_level2", "eval/turns"):
+    for key in ("eval/reward_level0", "eval/sampled_reward_level1", "eval/turns", "eval/tool_calls"):
         assert key in summary["first"] and key in summary["last"], key
     lines = [json.loads(x) for x in (run / "experiences.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 4
