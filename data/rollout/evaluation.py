@@ -21,6 +21,7 @@ from typing import Any
 
 from data.envs.base import turn_stats
 from modules.engine.types import Engine, SamplingConfig
+from modules.policy.prompt_format import PlainText
 
 
 class HeldOutEvaluator:
@@ -35,8 +36,10 @@ class HeldOutEvaluator:
         max_tokens: int,
         samples: int,
         episodes: Any = None,
+        prompt_format: Any = None,
     ) -> None:
         self.engine, self.task, self.tokenizer, self.rows = engine, task, tokenizer, rows
+        self.prompt_format = prompt_format if prompt_format is not None else PlainText()
         self.episodes = episodes  # data.envs.episodes.EpisodeRunner: held-out episodes, env-scored
         self.score = score
         self.temperature, self.max_tokens, self.samples = temperature, max_tokens, samples
@@ -69,7 +72,7 @@ class HeldOutEvaluator:
     def _pass(self, sampling: SamplingConfig, n: int) -> dict[str, Any]:
         futs = {}
         for i, row in enumerate(self.rows):
-            ids = self.tokenizer(self.task.prompt_text(row))["input_ids"]
+            ids = self.prompt_format.ids(self.tokenizer, self.task.prompt_text(row))
             for k in range(n):
                 rid = f"eval-{time.time_ns()}-{i}-{k}"
                 if self.episodes is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from data.rollout.prompts import PromptStream
 from modules.engine.types import Engine
+from modules.policy.prompt_format import PlainText
 
 
 @dataclass
@@ -21,6 +22,11 @@ class RolloutContext:
     advantage: Any  # modules.algo.advantages: GroupAdvantage (rewards of a group) or RunningBaseline
     seed: int = 0
     episodes: Any = None  # data.envs.episodes.EpisodeRunner with a multi-turn env (env=...), else None
+    prompt_format: Any = field(default_factory=PlainText)  # model.prompt_format: text -> prompt ids
+
+    def prompt_ids(self, row: dict) -> list[int]:
+        """The ids the engine completes for ``row`` (``modules/policy/prompt_format.py``)."""
+        return self.prompt_format.ids(self.tokenizer, self.task.prompt_text(row))
 
 
 @dataclass

@@ -21,9 +21,9 @@ exact fractions/decimals), then math-verify (symbolic, sets, intervals, ...; ins
 ``make install``, see ``data/tasks/verify.py``). Without math-verify only the normalised
 comparison runs.
 
-The prompt asks for the final answer in ``\\boxed{}``; with ``tokenizer`` set (the task config
-sets it to ``${model.path}``) and a tokenizer that has a chat template, the request is wrapped
-in that template as a user turn.
+The prompt asks for the final answer in ``\\boxed{}``. It is the problem and the request only:
+the model's ``model.prompt_format`` makes it a chat template's user turn (``math_grpo`` sets
+``ChatTemplate``, ``modules/policy/prompt_format.py``) or leaves it as the text.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import random
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -164,20 +163,9 @@ def answers_match(predicted: str | None, reference: str) -> bool:
 
 
 # ---------------------------------------------------------------------- prompt
-@lru_cache(maxsize=4)
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def format_prompt(problem: str, tokenizer: Any = None) -> str:
-    """The chat-template user turn (generation prompt added) if ``tokenizer`` has a template,
-    else a plain ``Problem: ... Solution:`` completion prompt."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{problem}\n\n{INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Problem: {problem}\n{INSTRUCTION}\nSolution:"
+def format_prompt(problem: str) -> str:
+    """The problem and the request for a boxed answer (the user turn of a chat model)."""
+    return f"{problem}\n\n{INSTRUCTION}"
 
 
 # ---------------------------------------------------------------------- task
@@ -191,8 +179,6 @@ class MathTask:
     eval_configs: tuple[str, ...] | None = SUBJECTS
     eval_split: str = "test"
     levels: tuple[int, ...] | None = None  # keep only these difficulty levels (1..5); None = all
-    tokenizer: str | None = None  # model path whose chat template wraps the prompt; None = plain
-    chat_template: bool = True  # false: plain prompt even if the tokenizer has a template
     seed: int = 0  # order of the rows before the first `size` are taken
     offline: bool = False  # use the bundled examples instead of the hub
     hub_datasets = ("train_dataset", "eval_dataset")  # checked on this machine at start-up
@@ -251,8 +237,7 @@ class MathTask:
         return rows
 
     def prompt_text(self, row: dict) -> str:
-        tok = _load_tokenizer(self.tokenizer) if self.tokenizer and self.chat_template else None
-        return format_prompt(row["problem"], tok)
+        return format_prompt(row["problem"])
 
     def reward(self, row: dict, response: str) -> float:
         return 1.0 if answers_match(last_boxed(response), row["answer"]) else 0.0

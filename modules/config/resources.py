@@ -65,10 +65,17 @@ def is_hub_id(path: str | Path) -> bool:
     return not Path(text.split("/")[0]).is_dir()
 
 
+# Models imported from a PyPI package rather than trained here (modules/policy/import_gguf.py).
+IMPORTED_MODELS = {"smollm2-135m-instruct": "`make smollm2` (python -m modules.policy.import_gguf <dir>)"}
+
+
 def build_command(path: str | Path) -> str:
-    """The command that builds the model at ``path``: the supervised recipe (``module=sft``)
-    whose ``model.path`` names that directory, else the default warm start (``make sft``)."""
+    """The command that builds the model at ``path``: the import of a packaged model, the
+    supervised recipe (``module=sft``) whose ``model.path`` names that directory, else the
+    default warm start (``make sft``)."""
     name = Path(str(path)).name
+    if name in IMPORTED_MODELS:
+        return IMPORTED_MODELS[name]
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     for recipe in sorted(recipes.glob("*.yaml")):
         text = recipe.read_text()

@@ -75,6 +75,10 @@ class WeightSyncExtension:
         if not any(isinstance(f, QuietExpectedReloads) for f in logger.filters):
             logger.addFilter(QuietExpectedReloads(tied))
         state = load_file(path)
+        # in the engine's dtype (a bf16 engine is sent the fp32 trainer's weights): cast here,
+        # once, instead of vLLM warning per tensor that it casts on copy
+        dtype = next(model.parameters()).dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
         lm_head = getattr(model, "lm_head", None)
         quant = getattr(lm_head, "quant_method", None)

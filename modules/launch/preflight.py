@@ -58,6 +58,14 @@ def _check_model_path(field: str, path: str, required: bool) -> None:
     """A model directory (with config.json), or a hub id this machine can load now; an
     existing file, or a directory without config.json, is never a model."""
     local = Path(path).expanduser()
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        check(
+            field,
+            path,
+            False,
+            "a model directory (with config.json), not a GGUF file: import it into one with "
+            "`python -m modules.policy.import_gguf <dir>` (`make smollm2` for SmolLM2-135M-Instruct)",
+        )
     if not required:  # the SFT recipe builds a tiny model into an empty directory
         check(field, path, not local.is_file(), "a model directory (built there when empty), not a file")
         return

@@ -42,9 +42,10 @@ def train(run_dir: Path, *overrides: str) -> list[dict[str, str]]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     console = proc.stdout + proc.stderr
-    # the console shows our messages, not vLLM's per-sync reload warnings, and the engine
+    # the console shows our messages, not vLLM's per-sync reload or cast warnings, and the engine
     # exits on its own at shutdown (not force-killed)
     assert "Failed to load weights" not in console and "force killing" not in console
+    assert "Attempted to load weight" not in console  # a bf16 engine's per-tensor casts (quiet.py)
     with open(run_dir / "metrics.csv") as f:
         return list(csv.DictReader(f))
 
