@@ -22,6 +22,7 @@ TINY = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.sampling.max_tokens=24",
+    "rollout.overlong.buffer=8",
     "data.train_size=64",
     "data.eval_size=6",
     "data.eval_samples=1",
