@@ -18,6 +18,7 @@ A new task for a fork: copy ``remainder.py``, keep the three methods, and point 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -36,6 +37,17 @@ class Task(Protocol):
 
     def reward(self, row: dict, response: str) -> float:
         """Score of a decoded response; it may raise (``data.reward_errors`` decides)."""
+
+
+SPLITS = ("train", "eval", "sft")
+
+
+def split_rng(split: str, seed: int, salt: int) -> random.Random:
+    """The random stream of one split of a generated task: each split its own (``train`` and
+    ``eval`` never share a stream), a task its own ``salt``."""
+    if split not in SPLITS:  # a caller's mistake, not a config value
+        raise ValueError(f"split={split!r}: must be one of {', '.join(SPLITS)}")
+    return random.Random(seed * 1000 + SPLITS.index(split) + salt)
 
 
 def level_weights(weights: Sequence[float], levels: int) -> tuple[float, ...]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.tasks import level_weights as checked_weights
+from data.tasks import split_rng
 from data.tasks.gsm8k import answers_match
 from data.tasks.word_problems import NAMES, THINGS, final_number
 from modules.config.errors import check
@@ -93,10 +94,7 @@ class ToolArithmeticTask:
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> list[dict]:
         """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed;
         ``sft`` rows carry a demonstration (``demo``)."""
-        offsets = {"train": 0, "eval": 1, "sft": 2}
-        if split not in offsets:  # a caller's mistake, not a config value
-            raise ValueError(f"split={split!r}: must be one of {', '.join(offsets)}")
-        rng = random.Random(self.seed * 1000 + offsets[split] + 313)
+        rng = split_rng(split, self.seed, salt=313)
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         rows = []
         for i in range(size):

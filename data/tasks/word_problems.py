@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 from data.tasks import level_weights as checked_weights
+from data.tasks import split_rng
 from data.tasks.gsm8k import answers_match
 from modules.config.errors import check
 
@@ -78,10 +79,7 @@ class WordProblemsTask:
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> list[dict]:
         """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed."""
-        offsets = {"train": 0, "eval": 1, "sft": 2}
-        if split not in offsets:  # a caller's mistake, not a config value
-            raise ValueError(f"split={split!r}: must be one of {', '.join(offsets)}")
-        rng = random.Random(self.seed * 1000 + offsets[split] + 77)
+        rng = split_rng(split, self.seed, salt=77)
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         rows = []
         for i in range(size):
