@@ -128,7 +128,8 @@ class SFTDataModule(L.LightningDataModule):
     def preflight(self, max_model_len: int | None) -> None:
         """Start-up checks before a model is built (``modules/launch/start.py``): a pretrained
         model's directory holds a model, and its tokenizer renders the prompt format."""
-        if self.tokenizer_path is None:
+        if self.tokenizer_path is None:  # the character tokenizer: it renders plain text only
+            self.prompt_format.check(self.tokenizer, "the character tokenizer (data.tokenizer_path=null)")
             return
         if not Path(self.tokenizer_path, "config.json").is_file():
             raise ConfigError(

@@ -216,7 +216,7 @@ def eval_signature(dm: Any) -> dict[str, Any]:
     """What the held-out evaluation of a policy depends on besides its weights."""
     ev = dm.evaluator
     return {
-        "rows": [dm.task.prompt_text(r) for r in dm.eval_rows],
+        "rows": [dm.prompt_format.render(dm.tokenizer, dm.task.prompt_text(r)) for r in dm.eval_rows],
         "temperature": ev.temperature,
         "max_tokens": ev.max_tokens,
         "samples": ev.samples,

@@ -141,6 +141,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.prompts is not None:
             return
         self._load_tokenizer()
+        self.prompt_format.check(self.tokenizer, self.engine.model_path)  # a hub model: first here
         if self.train_rows is None:
             self.train_rows = list(self.task.build("train", self.train_size))
         self.eval_rows = list(self.task.build("eval", self.eval_size)) if self.eval_size else []

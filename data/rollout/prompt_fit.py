@@ -19,11 +19,16 @@ def check_prompts(dm: Any, max_model_len: int | None) -> None:
     dm.prompt_format.check(dm.tokenizer, dm.engine.model_path)
     longest = longest_prompt(dm.task, dm.prompt_format, dm.tokenizer, dm.train_rows)
     max_tokens = dm.rollout.sampling.max_tokens
-    if dm.env is not None:
-        check_episodes_fit(dm.env, dm.tokenizer, longest, max_tokens, max_model_len)
-        return
     eval_rows = dm.task.build("eval", dm.eval_size) if dm.eval_size else []
     eval_longest = longest_prompt(dm.task, dm.prompt_format, dm.tokenizer, eval_rows)
+    if dm.env is not None:
+        dm.prompt_format.observation(dm.tokenizer, "")  # the template renders its tool turn
+        check_episodes_fit(dm.env, dm.tokenizer, longest, max_tokens, max_model_len)
+        if dm.env.max_total_tokens is None:  # else the episode's budget covers evaluation too
+            check_prompts_fit({"data.eval_max_tokens": (dm.eval_max_tokens, eval_longest)}, max_model_len)
+        else:
+            check_episodes_fit(dm.env, dm.tokenizer, eval_longest, max_tokens, max_model_len)
+        return
     budgets = {
         "rollout.sampling.max_tokens": (max_tokens, longest),
         "data.eval_max_tokens": (dm.eval_max_tokens, eval_longest),

@@ -23,7 +23,8 @@ comparison runs.
 
 The prompt asks for the final answer in ``\\boxed{}``. It is the problem and the request only:
 the model's ``model.prompt_format`` makes it a chat template's user turn (``math_grpo`` sets
-``ChatTemplate``, ``modules/policy/prompt_format.py``) or leaves it as the text.
+``ChatTemplate``, ``modules/policy/prompt_format.py``) or leaves it as the text. A base model
+under ``PlainText`` no longer gets the old ``Problem: ... Solution:`` completion cue.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ chat model (``recipe=smollm2_grpo``), GSM8K's shape at a size a 135M model can l
 Level 0 is one addition or subtraction of one-digit numbers ("Mia has 6 shells and finds 7
 more..."); level 1 a product of two one-digit numbers ("4 boxes with 7 shells in each box");
 level 2 one addition or subtraction of two-digit numbers. Greedy, the imported model starts at
-about 0.8 / 0.1 / 0.15 on them (lab/README.md). The numbers,
-names and objects are drawn per row from a seed, so ``train`` and ``eval`` never share a row
-(different seeds; a collision of both numbers and wording is possible and harmless).
+0.37 / 0.26 / 0.07 on the held-out problems of seed 0 (lab/README.md). The numbers,
+names and objects are drawn per row from a seed, each split its own. The splits are not
+disjoint: the question space is small (level 1 has 64 products), and 12 of the 96 held-out
+questions of seed 0 also occur among the first 5,000 train rows (none among the 240 the
+shipped recipe trains on). Disjoint splits are a known gap (lab/README.md).
 
 Reward: 1.0 when the response's final answer equals the reference, else 0.0. The final answer
 is the last number the response writes (``#### 42``, ``\\boxed{42}``, "The answer is 42." all

@@ -71,9 +71,12 @@ def quiet_console(spawned: bool = False) -> bool:
     drop("vllm.engine.arg_utils", "does not officially support disabling chunked prefill")
     # Qwen2 has no SSM (mamba) layers; vLLM-CPU reports its SSM cache default anyway.
     drop("vllm.platforms.cpu", "Reset SSM cache type to float32")
-    # A float32 checkpoint served with engine.dtype=bfloat16 (recipe=smollm2_grpo): vLLM casts each
-    # tensor at load and says so per tensor (272 lines); the cast is the configured one.
-    drop("vllm.model_executor.models.utils", "Attempted to load weight")
+    # A float32 checkpoint served with engine.dtype=bfloat16 (recipe=smollm2_tools): vLLM casts each
+    # tensor at load and says so per tensor (272 lines); that cast is the configured one.
+    drop(
+        "vllm.model_executor.models.utils",
+        "with dtype torch.float32 into parameter with dtype torch.bfloat16",
+    )
     # Preloading tcmalloc / Intel OpenMP: measured on this engine, see lab/README.md (LD_PRELOAD).
     drop("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD")
     if spawned:

@@ -69,7 +69,7 @@ class ChatTemplate:
             )
         self.system = system
         self.tool_role = tool_role
-        self._turns: dict[int, tuple[str, str]] = {}  # per tokenizer: the tool turn's text
+        self._turns: dict[str, tuple[str, str]] = {}  # per chat template: the tool turn's text
 
     def messages(self, text: str) -> list[dict[str, str]]:
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
@@ -97,7 +97,7 @@ class ChatTemplate:
         return between + text + after
 
     def _tool_turn(self, tokenizer: Any) -> tuple[str, str]:
-        cached = self._turns.get(id(tokenizer))
+        cached = self._turns.get(tokenizer.chat_template)
         if cached is not None:
             return cached
         conversation = [
@@ -113,7 +113,7 @@ class ChatTemplate:
             )
         between = text.split(_ASSISTANT, 1)[1].split(_OBSERVATION, 1)[0]
         after = text.split(_OBSERVATION, 1)[1]
-        self._turns[id(tokenizer)] = (between, after)
+        self._turns[tokenizer.chat_template] = (between, after)
         return between, after
 
     def check(self, tokenizer: Any, model_path: str) -> None:
@@ -121,8 +121,9 @@ class ChatTemplate:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 f"invalid config value model.prompt_format=ChatTemplate: the tokenizer of {model_path} "
-                "has no chat template (a base model): use model.prompt_format._target_="
-                "modules.policy.prompt_format.PlainText, or a chat model"
+                "has no chat template (a base model): use plain text (model.prompt_format._target_="
+                "modules.policy.prompt_format.PlainText ~model.prompt_format.system "
+                "~model.prompt_format.tool_role), or a chat model"
             )
         try:
             rendered = self.render(tokenizer, _OBSERVATION)

@@ -81,9 +81,20 @@ def test_an_observation_is_the_templates_tool_turn_and_the_next_assistant_header
     ]
     full = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert full == fmt.render(tok, "7*8?") + call + obs
-    # a template that cannot render a tool role as plain text is refused naming the field
+
+    # a template that drops a role it does not know is refused naming the field, at start-up
+    class NoToolRole:
+        chat_template = (
+            "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}{% endif %}{% endfor %}"
+        )
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return "".join(m["content"] for m in messages if m["role"] != "tool")
+
+    with pytest.raises(ConfigError, match="model.prompt_format.tool_role='tool'"):
+        ChatTemplate().observation(NoToolRole(), "56")
     with pytest.raises(ConfigError, match="model.prompt_format.tool_role"):
-        ChatTemplate(tool_role="").observation(tok, "56")
+        ChatTemplate(tool_role="")
 
 
 def test_a_model_without_a_chat_template_is_refused_for_a_chat_format(tok):
@@ -106,6 +117,8 @@ def test_every_chat_recipe_task_renders_through_the_template(tok, task):
         text = tok.decode(ids)
         assert text.endswith("<|im_start|>assistant\n")
         assert task.prompt_text(row) in text
+        if isinstance(task, WordProblemsTask):  # recipe=smollm2_grpo: 64 tokens after it, context 256
+            assert len(ids) + 64 <= 256
     assert isinstance(task.reward(rows[0], "I think it is 3."), float)
 
 
