@@ -74,7 +74,15 @@ class BackgroundGeneration:
         try:
             advantage = instantiate(self.cfg.algo.advantage)
             self.controller.bind(
-                RolloutContext(self.engine, task, tokenizer, self.prompts, advantage, seed=self.cfg.seed)
+                RolloutContext(
+                    self.engine,
+                    task,
+                    tokenizer,
+                    self.prompts,
+                    advantage,
+                    seed=self.cfg.seed,
+                    prompt_format=instantiate(self.cfg.data.prompt_format),
+                )
             )
             self.max_groups = concurrency_groups(self.controller, self.engine.concurrency)
             self._thread = threading.Thread(target=self._run, name="bound-generation", daemon=True)
@@ -133,7 +141,15 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
     try:
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         controller.bind(
-            RolloutContext(engine, task, tokenizer, prompts, instantiate(cfg.algo.advantage), seed=cfg.seed)
+            RolloutContext(
+                engine,
+                task,
+                tokenizer,
+                prompts,
+                instantiate(cfg.algo.advantage),
+                seed=cfg.seed,
+                prompt_format=instantiate(cfg.data.prompt_format),  # the chat template, as training
+            )
         )
         inflight: dict[Any, Any] = {}
         open_groups: dict[int, list] = {}

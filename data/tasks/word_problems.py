@@ -7,10 +7,12 @@ Level 0 is one addition or subtraction of one-digit numbers ("Mia has 6 shells a
 more..."); level 1 a product of two one-digit numbers ("4 boxes with 7 shells in each box");
 level 2 one addition or subtraction of two-digit numbers. Greedy, the imported model starts at
 0.37 / 0.26 / 0.07 on the held-out problems of seed 0 (lab/README.md). The numbers,
-names and objects are drawn per row from a seed, each split its own. The splits are not
-disjoint: the question space is small (level 1 has 64 products), and 12 of the 96 held-out
-questions of seed 0 also occur among the first 5,000 train rows (none among the 240 the
-shipped recipe trains on). Disjoint splits are a known gap (lab/README.md).
+names and objects are drawn per row from a seed, each split its own, and the splits are
+disjoint by question text: a question belongs to the held-out side when a hash of its text
+falls in a fixed fifth of the hash space (``held_out``), so ``eval`` draws only such questions
+and ``train`` / ``sft`` never do, at every size and seed. The arithmetic itself is shared
+(level 1 has only 64 products): the held-out set tests new wordings of known sums, not unseen
+sums.
 
 Reward: 1.0 when the response's final answer equals the reference, else 0.0. The final answer
 is the last number the response writes (``#### 42``, ``\\boxed{42}``, "The answer is 42." all
@@ -21,6 +23,7 @@ and 48") is scored on the 48, so RL teaches the model to end with its answer as 
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -61,6 +64,12 @@ def _level2(rng: random.Random, who: str, what: str) -> tuple[str, int]:
 
 
 LEVELS = (_level0, _level1, _level2)
+HELD_OUT_SHARE = 51 / 256  # the fifth of the question space only the eval split draws from
+
+
+def held_out(question: str) -> bool:
+    """Whether ``question`` belongs to the held-out side of the split (stable across runs)."""
+    return hashlib.sha256(question.encode()).digest()[0] < round(HELD_OUT_SHARE * 256)
 
 
 def final_number(response: str) -> str | None:
@@ -80,13 +89,16 @@ class WordProblemsTask:
         check("task.seed", self.seed, isinstance(self.seed, int), "an int")
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> list[dict]:
-        """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed."""
+        """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed,
+        ``eval`` disjoint from the others by question text."""
         rng = split_rng(split, self.seed, salt=77)
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         rows = []
         for i in range(size):
             level = rng.choices(range(len(LEVELS)), weights=weights)[0]
             question, answer = LEVELS[level](rng, rng.choice(NAMES), rng.choice(THINGS))
+            while held_out(question) != (split == "eval"):  # redraw within the level
+                question, answer = LEVELS[level](rng, rng.choice(NAMES), rng.choice(THINGS))
             rows.append({"id": i, "level": level, "question": question, "answer": str(answer)})
         return rows
 

@@ -142,6 +142,17 @@ def test_word_problems_levels_answers_and_reward():
         WordProblemsTask(level_weights=[1.0, 1.0])
 
 
+@pytest.mark.parametrize("seed", [0, 3, 11])
+def test_word_problem_splits_are_disjoint_with_every_level_held_out(seed):
+    task = WordProblemsTask(seed=seed)
+    held_out = task.build("eval", 400)
+    seen = {r["question"] for split in ("train", "sft") for r in task.build(split, 4000)}
+    assert not seen & {r["question"] for r in held_out}
+    assert {r["level"] for r in held_out} == set(range(len(LEVELS)))
+    # level 1's small question space (64 products x names x objects) still yields new questions
+    assert len({r["question"] for r in held_out if r["level"] == 1}) > 100
+
+
 def test_pad_equals_eos_keeps_the_final_eos_in_the_loss(tok):
     """pad == eos: the sequence's own EOS is trained on (its logprob is in the loss), the padding
     after a shorter sequence is not, although both are id 2."""
