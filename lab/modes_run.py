@@ -151,7 +151,11 @@ def run_recipe(
     # fails to compose; --eval-every 0 keeps the in-run first and last evaluations instead).
     injected = ["callbacks.eval.every_n_versions=0"]
     if eval_every:
-        k = eval_every * (1 if recipe == TRL else steps_per_version([f"recipe={recipe}", *overrides]))
+        from tools.trl_peer import peer_recipe
+
+        k = eval_every * steps_per_version(
+            peer_recipe(overrides) if recipe == TRL else [f"recipe={recipe}", *overrides]
+        )
         injected.append(f"callbacks.checkpoint.every_n_train_steps={k}")
         if recipe != TRL:  # the curve evaluates the first and last policy too: no inline pass
             injected.append("~callbacks.eval")

@@ -13,23 +13,35 @@ never in the project's. The settings come from the project's own composed config
 (``recipe=sync_grpo``, or the ``recipe=`` given after ``--``, + ``seed`` + the other overrides
 after ``--``), mapped field by field:
 
-    model.path (SFT warm start, float32, dropout off)  -> model, disable_dropout=True
-    prompts: the task's train split in the order of the project's PromptStream(seed), P per step
-    rollout.group_size G, P x G completions per step   -> num_generations, per_device_train_batch_size
+    model.path (the warm start or an imported model, float32, dropout off) -> model, disable_dropout=True
+    prompts: the task's train split in the order of the project's PromptStream(seed), P per rollout
+          batch, rendered by model.prompt_format: plain text as TRL's text prompt, ChatTemplate as
+          TRL's conversational prompt (system + user turn), the ids checked equal to the project's
+    rollout.group_size G, P x G completions per rollout batch -> num_generations, generation batch
+    algo.minibatches M (optimizer steps per rollout batch) -> steps_per_generation=M,
+                                                          per_device_train_batch_size=P*G/M
     rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
-    the task's reward (``task.reward(row, text)``)     -> the one reward function
+    the task's reward (``task.reward(row, text)``) + rollout.overlong (DAPO's soft punishment on the
+          response's token count, the project's Overlong; filter -> mask_truncated_completions)
+                                                       -> the one reward function
     env (multi-turn episodes: ``env=calculator``)      -> rollout_func + env_mask (tools/trl_episodes.py),
                                                           the episode's reward as the reward
-    algo: group advantages scaled by std, PPO clip eps, token-mean loss, 1 minibatch x
-          1 epoch                                      -> scale_rewards="group", epsilon,
+    algo: group advantages scaled by std, PPO clip eps, token-mean loss, 1 epoch
+                                                       -> scale_rewards="group", epsilon,
                                                           loss_type="dapo", num_iterations=1
+    algo.loss.anchor decoupled | bypass, algo/correction tis | none: TRL samples with the model it
+          trains (no separate engine), so the behaviour policy is the trainer's own: its ratio's
+          denominator is the policy of the rollout batch as the trainer computes it (the
+          decoupled anchor; the same as bypass with no sampler mismatch), and a correction of the
+          sampler's mismatch has nothing to correct (TRL applies none)
     algo.loss.kl_coef (k3 to module.ref_model_path = the warm start, in the loss)
                                                        -> beta, use_bias_correction_kl=True:
           TRL's per-token beta * k3 * ratio has value k3 and gradient -log(rho) grad log pi, the
           project's k3 term's gradient; both are token means, so they match term for term
     module.optimizer (AdamW lr, betas, weight decay), constant lr, trainer.gradient_clip_val
+    trainer.precision 32-true | bf16-mixed             -> bf16=False | True (autocast on the CPU)
     module.gradient_checkpointing (default false)      -> gradient_checkpointing (TRL's default: true)
-    trainer.max_steps                                  -> max_steps
+    trainer.max_steps (optimizer steps)                -> max_steps
 
 Differences that remain: TRL generates with plain ``transformers`` ``generate`` in the training
 process (both cores, ``--threads``), where the project uses its vLLM engine on its own core;
@@ -61,14 +73,16 @@ import torch
 import yaml
 
 MATCHED = {  # project fields TRL can mirror only at these values
-    "algo.minibatches": 1,
-    "algo.epochs": 1,
-    "algo.loss.anchor": "bypass",
-    "algo.loss.aggregation": "token_mean",
-    "algo.kl_reward.coef": 0.0,
-    "algo.advantage.scale_by_std": True,
-    "data.sync_every": 1,
+    "algo.epochs": (1,),
+    "algo.loss.anchor": ("bypass", "decoupled"),  # the same when the sampler is the trained model
+    "algo.loss.aggregation": ("token_mean",),
+    "algo.kl_reward.coef": (0.0,),
+    "algo.advantage.scale_by_std": (True,),
+    "data.sync_every": (1,),
+    "trainer.precision": ("32-true", "32", "bf16-mixed"),
+    "rollout.group_filter": (None,),  # DAPO's dynamic sampling: not mirrored
 }
+CORRECTIONS = ("modules.algo.corrections.NoCorrection", "modules.algo.corrections.TruncatedTokenIS")
 
 
 def check_matchable(cfg: Any) -> None:
@@ -76,8 +90,16 @@ def check_matchable(cfg: Any) -> None:
 
     for field, allowed in MATCHED.items():
         value = OmegaConf.select(cfg, field)
-        if value != allowed:
-            raise SystemExit(f"{field}={value!r}: the TRL peer mirrors only {field}={allowed!r}")
+        if value not in allowed:
+            names = " or ".join(f"{field}={a!r}" for a in allowed)
+            raise SystemExit(f"{field}={value!r}: the TRL peer mirrors only {names}")
+    batch = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size)
+    minibatches = int(cfg.algo.minibatches)
+    if minibatches < 1 or batch % minibatches:
+        raise SystemExit(
+            f"algo.minibatches={minibatches}: the TRL peer needs a divisor of the rollout batch "
+            f"({batch} samples: rollout.prompts_per_step x rollout.group_size)"
+        )
     if float(cfg.algo.loss.kl_coef) > 0:  # TRL's beta: per-token k3 to the initial model, in the loss
         if cfg.algo.loss.kl_kind != "k3":
             raise SystemExit(f"algo.loss.kl_kind={cfg.algo.loss.kl_kind!r}: the TRL peer mirrors only k3")
@@ -86,10 +108,42 @@ def check_matchable(cfg: Any) -> None:
                 f"module.ref_model_path={cfg.module.ref_model_path!r}: the TRL peer's reference is the "
                 f"starting model, module.model_path={cfg.module.model_path!r}"
             )
-    if cfg.algo.correction._target_ != "modules.algo.corrections.NoCorrection":
-        raise SystemExit("algo/correction: the TRL peer mirrors only algo/correction=none")
+    if cfg.algo.correction._target_ not in CORRECTIONS:  # tis: weight 1 when sampler == trained model
+        raise SystemExit("algo/correction: the TRL peer mirrors only algo/correction=none or tis")
     if not str(cfg.algo.objective._target_).endswith("ppo_clip"):
         raise SystemExit("algo/objective: the TRL peer mirrors only algo/objective=ppo_clip")
+
+
+def peer_recipe(overrides: list[str]) -> list[str]:
+    """The project overrides the peer composes: ``recipe=sync_grpo`` unless one is named."""
+    return overrides if any(o.startswith("recipe=") for o in overrides) else ["recipe=sync_grpo", *overrides]
+
+
+def trl_prompt(prompt_format: Any, text: str) -> str | list[dict[str, str]]:
+    """The prompt as TRL takes it: text, or (a chat template) the conversation it renders."""
+    from modules.policy.prompt_format import ChatTemplate
+
+    return prompt_format.messages(text) if isinstance(prompt_format, ChatTemplate) else text
+
+
+def check_prompt_ids(prompt_format: Any, tokenizer: Any, texts: list[str]) -> None:
+    """TRL tokenises a text prompt with the tokenizer's defaults and a conversation with
+    ``apply_chat_template``; refuse a prompt whose ids differ from the ones the project
+    trains on (a BOS added twice, a system turn rendered differently)."""
+    for text in texts:
+        prompt = trl_prompt(prompt_format, text)
+        if isinstance(prompt, str):
+            ids = tokenizer(text=[prompt])["input_ids"][0]
+        else:
+            ids = tokenizer.apply_chat_template(
+                conversation=[prompt], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"][0]
+        ours = prompt_format.ids(tokenizer, text)
+        if list(ids) != list(ours):
+            raise SystemExit(
+                f"model.prompt_format: TRL would tokenise the prompt {text[:60]!r} to {len(ids)} ids, "
+                f"the project to {len(ours)} ({list(ids)[:8]} vs {list(ours)[:8]} at the start)"
+            )
 
 
 def snapshot(model: torch.nn.Module, path: Path, step: int) -> None:
@@ -120,8 +174,7 @@ def main() -> None:
     from modules.launch.compose import compose
     from modules.policy.hf_policy import disable_dropout, load_policy
 
-    recipe = [] if any(o.startswith("recipe=") for o in args.overrides) else ["recipe=sync_grpo"]
-    overrides = [*recipe, f"seed={args.seed}", *args.overrides]
+    overrides = peer_recipe([f"seed={args.seed}", *args.overrides])
     run_dir = args.run_dir.resolve()
     cfg = compose(overrides, output_dir=str(run_dir))
     check_matchable(cfg)
@@ -129,20 +182,37 @@ def main() -> None:
     task = instantiate(cfg.task)
     rollout = instantiate(cfg.rollout)
     p, g = int(rollout.prompts_per_step), int(rollout.group_size)
-    steps = int(cfg.trainer.max_steps)
+    steps, minibatches = int(cfg.trainer.max_steps), int(cfg.algo.minibatches)
     stream = PromptStream(list(task.build("train", cfg.data.train_size)), seed=cfg.seed)
-    rows = [stream.next() for _ in range(p * steps)]  # the project's prompt order
+    rows = [stream.next() for _ in range(p * -(-steps // minibatches))]  # the project's prompt order
     by_id = {int(r["id"]): r for r in rows}
-    dataset = Dataset.from_list([{"prompt": task.prompt_text(r), "row_id": int(r["id"])} for r in rows])
+    model, tokenizer = load_policy(cfg.model.path)
+    prompt_format = instantiate(cfg.data.prompt_format)
+    check_prompt_ids(prompt_format, tokenizer, [task.prompt_text(r) for r in rows[:8]])
+    dataset = Dataset.from_list(
+        [{"prompt": trl_prompt(prompt_format, task.prompt_text(r)), "row_id": int(r["id"])} for r in rows]
+    )
+    overlong = rollout.overlong  # DAPO's soft punishment on the response's token count, as ours
+    budget = int(rollout.sampling.max_tokens)
 
-    def reward(prompts: list, completions: list, row_id: list, **_: Any) -> list[float]:
-        return [float(task.reward(by_id[int(i)], text)) for i, text in zip(row_id, completions)]
+    def reward(prompts: list, completions: list, row_id: list, completion_ids: list, **_: Any) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational
+        out = [float(task.reward(by_id[int(i)], text)) for i, text in zip(row_id, texts)]
+        if overlong is not None:
+            out = [r + overlong.length_penalty(len(ids), budget) for r, ids in zip(out, completion_ids)]
+        return out
 
     reward.__name__ = "task_reward"
-    model, tokenizer = load_policy(cfg.model.path)
     rollout_func = None
     if cfg.get("env") is not None:  # multi-turn: the project's environment through TRL's rollout_func
         from tools.trl_episodes import EpisodeRollout
+
+        if not isinstance(trl_prompt(prompt_format, "x"), str):
+            raise SystemExit(
+                "model.prompt_format: the TRL peer's multi-turn path renders plain-text prompts only"
+            )
+        if overlong is not None:
+            raise SystemExit("rollout/overlong: the TRL peer's multi-turn path does not mirror it")
 
         env = instantiate(cfg.env)
         texts = {task.prompt_text(r): r for r in rows}
@@ -159,10 +229,10 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=str(run_dir / "trl"),
         max_steps=steps,
-        per_device_train_batch_size=p * g,
+        per_device_train_batch_size=p * g // minibatches,
         num_generations=g,
         gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        steps_per_generation=minibatches,  # one rollout batch of P x G, M optimizer steps on it
         num_iterations=1,
         max_completion_length=int(rollout_func.budget if rollout_func else sampling.max_tokens),
         temperature=float(sampling.temperature),
@@ -188,7 +258,8 @@ def main() -> None:
         gradient_checkpointing=bool(OmegaConf.select(cfg, "module.gradient_checkpointing", default=False)),
         use_vllm=False,
         use_cpu=True,
-        bf16=False,
+        bf16=str(cfg.trainer.precision) == "bf16-mixed",
+        mask_truncated_completions=bool(overlong is not None and overlong.filter),
         fp16=False,
         seed=int(cfg.seed),
         data_seed=int(cfg.seed),

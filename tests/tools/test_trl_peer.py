@@ -12,17 +12,47 @@ from tests.conftest import compose
 from tools.trl_peer import check_matchable, write_run
 
 
-def test_the_sync_recipe_is_mirrored_and_other_settings_are_refused_by_field():
+def test_the_sync_and_real_model_recipes_are_mirrored_and_other_settings_are_refused_by_field():
     check_matchable(compose(["recipe=sync_grpo"]))
+    # 2 optimizer steps per rollout batch, the decoupled anchor, tis, bf16 autocast: TRL's
+    # steps_per_generation, its trainer-side old logprobs, no sampler to correct, bf16=True
+    check_matchable(compose(["recipe=smollm2_grpo"]))
     for override, field in [
-        ("algo.minibatches=2", "algo.minibatches"),
-        ("algo.loss.anchor=decoupled", "algo.loss.anchor"),
+        ("algo.minibatches=3", "algo.minibatches"),  # 128 samples do not split in 3
+        ("algo.epochs=2", "algo.epochs"),
         ("algo.loss.aggregation=seq_mean_token_mean", "algo.loss.aggregation"),
-        ("algo/correction=tis", "algo/correction"),
+        ("algo/correction=tseq_is", "algo/correction"),
         ("algo/objective=cispo", "algo/objective"),
+        ("rollout/group_filter=informative", "rollout.group_filter"),
+        ("trainer.precision=16-mixed", "trainer.precision"),
     ]:
         with pytest.raises(SystemExit, match=field):
             check_matchable(compose(["recipe=sync_grpo", override]))
+
+
+def test_trl_tokenises_the_chat_prompt_to_the_ids_the_project_trains_on():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from modules.policy.prompt_format import ChatTemplate, PlainText
+    from tools.trl_peer import check_prompt_ids, trl_prompt
+
+    path = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2-135m-instruct"
+    assert (path / "tokenizer.json").is_file(), f"{path} is missing: run `make smollm2`"
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["Mia has 6 apples and finds 7 more. How many apples does Mia have now?"]
+    check_prompt_ids(ChatTemplate(), tok, texts)  # TRL's apply_chat_template == ours
+    check_prompt_ids(ChatTemplate(system="Be brief."), tok, texts)
+    assert trl_prompt(ChatTemplate(), texts[0]) == [{"role": "user", "content": texts[0]}]
+    assert trl_prompt(PlainText(), texts[0]) == texts[0]
+
+    class AddsBos(ChatTemplate):  # a format whose ids differ from TRL's tokenisation
+        def ids(self, tokenizer, text):
+            return [tokenizer.bos_token_id or 0, *super().ids(tokenizer, text)]
+
+    with pytest.raises(SystemExit, match="model.prompt_format"):
+        check_prompt_ids(AddsBos(), tok, texts)
 
 
 def test_the_run_directory_reads_like_a_train_py_run(tmp_path):
