@@ -306,8 +306,11 @@ def main() -> None:
                 {
                     "step": n - 1,
                     "perf/wall_s": wall,
-                    "perf/samples_total": n * p * g,
-                    "perf/samples_per_s": n * p * g / wall,
+                    "perf/samples_total": n
+                    * p
+                    * g
+                    // minibatches,  # samples trained: P x G / M per optimizer step
+                    "perf/samples_per_s": n * p * g / minibatches / wall,
                 }
             )
             if n % args.save_every == 0 or n == steps:
