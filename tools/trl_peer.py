@@ -46,9 +46,13 @@ after ``--``), mapped field by field:
 Differences that remain: TRL generates with plain ``transformers`` ``generate`` in the training
 process (both cores, ``--threads``), where the project uses its vLLM engine on its own core;
 TRL's group std is the sample std (the project's: population std); TRL's sampling seeds
-differ from the engine's. Settings TRL cannot mirror (other corrections, decoupled anchor,
-several minibatches, a KL other than k3 to the starting model) are refused with the field
-named.
+differ from the engine's. With M > 1 minibatches TRL's "dapo" loss divides each slice's token
+sum by the rollout batch's tokens / M, not by the slice's own count (the project's token mean
+per minibatch): the same in expectation, a different scale per step before gradient clipping.
+TRL's ``mask_truncated_completions`` counts a response as truncated when it does not end in
+EOS; the project also when it fills max_tokens exactly. Settings TRL cannot mirror (other
+corrections, several epochs, a KL other than k3 to the starting model, dynamic sampling) are
+refused with the field named.
 
 Writes a run directory that ``tools.heldout_curve`` and ``lab.modes`` read like a
 ``train.py`` run: ``.hydra/overrides.yaml`` (the project overrides the settings came from, so
