@@ -54,6 +54,24 @@ def _rollout_parts(cfg: DictConfig) -> tuple[Any, Any, Any, Any, Any]:
     return task, controller, engine, tokenizer, prompts
 
 
+def rollout_context(cfg: DictConfig, engine: Any, task: Any, tokenizer: Any, prompts: Any) -> Any:
+    """The controller's context as training binds it: the recipe's advantage and prompt format
+    (the chat template for a chat model), the run's seed."""
+    from hydra.utils import instantiate
+
+    from data.rollout.controller import RolloutContext
+
+    return RolloutContext(
+        engine,
+        task,
+        tokenizer,
+        prompts,
+        instantiate(cfg.algo.advantage),
+        seed=cfg.seed,
+        prompt_format=instantiate(cfg.data.prompt_format),
+    )
+
+
 class BackgroundGeneration:
     """(c): the engine generating the recipe's prompts at the recipe's concurrency, topped up as
     each group completes, in a thread of this process, until the context exits."""
@@ -65,25 +83,10 @@ class BackgroundGeneration:
         self._error: BaseException | None = None
 
     def __enter__(self) -> BackgroundGeneration:
-        from hydra.utils import instantiate
-
-        from data.rollout.controller import RolloutContext
-
         task, self.controller, self.engine, tokenizer, self.prompts = _rollout_parts(self.cfg)
         self.engine.start()
         try:
-            advantage = instantiate(self.cfg.algo.advantage)
-            self.controller.bind(
-                RolloutContext(
-                    self.engine,
-                    task,
-                    tokenizer,
-                    self.prompts,
-                    advantage,
-                    seed=self.cfg.seed,
-                    prompt_format=instantiate(self.cfg.data.prompt_format),
-                )
-            )
+            self.controller.bind(rollout_context(self.cfg, self.engine, task, tokenizer, self.prompts))
             self.max_groups = concurrency_groups(self.controller, self.engine.concurrency)
             self._thread = threading.Thread(target=self._run, name="bound-generation", daemon=True)
             self._thread.start()
@@ -129,9 +132,7 @@ class BackgroundGeneration:
 # ---------------------------------------------------------------------------- (a) generation
 def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: int = 3) -> dict[str, Any]:
     """Steady-state samples/s of the engine alone; returns the figures and the experiences."""
-    from hydra.utils import instantiate
 
-    from data.rollout.controller import RolloutContext
     from modules.policy.hf_policy import load_policy, named_weights
 
     task, controller, engine, tokenizer, prompts = _rollout_parts(cfg)
@@ -140,17 +141,7 @@ def measure_generation(cfg: DictConfig, warmup: int, samples: int, sync_trials: 
     engine.start()
     try:
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        controller.bind(
-            RolloutContext(
-                engine,
-                task,
-                tokenizer,
-                prompts,
-                instantiate(cfg.algo.advantage),
-                seed=cfg.seed,
-                prompt_format=instantiate(cfg.data.prompt_format),  # the chat template, as training
-            )
-        )
+        controller.bind(rollout_context(cfg, engine, task, tokenizer, prompts))
         inflight: dict[Any, Any] = {}
         open_groups: dict[int, list] = {}
         groups: list[list] = []
