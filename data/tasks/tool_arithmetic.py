@@ -18,8 +18,10 @@ Reward: 1.0 when the final answer's last number equals the reference (math-verif
 ``data/tasks/word_problems.py``), else 0.0; no format reward. The supervised warm start
 (``recipe=smollm2_sft_tools``) imitates demonstrations (split ``sft``, ``demo``: the model's
 turns and the tool's alternating) that call the tool in ``demo_tool`` of the episodes and
-answer in their head otherwise (right ``demo_right`` of the time): RL then has to make the
-call the model's choice and the call well formed.
+answer in their head otherwise (right ``demo_right`` of the time); ``1 - demo_valid`` of the
+demonstrated calls are malformed (a wrong argument name, an unknown tool, arguments that are not
+an object), answered by the environment's error and a guess: RL then has to make the call the
+model's choice and the call well formed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from data.tasks import level_weights as checked_weights
 from data.tasks import split_rng
 from data.tasks.gsm8k import answers_match
-from data.tasks.word_problems import NAMES, THINGS, final_number
+from data.tasks.word_problems import NAMES, THINGS, final_number, held_out
 from modules.config.errors import check
 
 TOOL = "calculator"
@@ -68,6 +70,21 @@ def call_text(expression: str) -> str:
     return f"<tool_call>{json.dumps({'name': TOOL, 'arguments': {'expression': expression}})}</tool_call>"
 
 
+# A weak demonstrator's malformed calls, as small models write them, and the environment's answer
+# to each (``data/envs/chat_tools.py``: "Error: " + the parser's reason; a test keeps them equal).
+MALFORMED = (
+    (
+        lambda e: {"name": TOOL, "arguments": {"expr": e}},
+        "Error: calculator needs the argument 'expression'.",
+    ),
+    (
+        lambda e: {"name": "calc", "arguments": {"expression": e}},
+        "Error: unknown tool 'calc' (tools: calculator).",
+    ),
+    (lambda e: {"name": TOOL, "arguments": e}, 'Error: "arguments" must be a JSON object.'),
+)
+
+
 def answer_text(value: int | str) -> str:
     return f"The answer is {value}."
 
@@ -82,6 +99,7 @@ class ToolArithmeticTask:
     level_weights: tuple[float, ...] | list[float] = (1.0, 1.0, 1.0)
     demo_tool: float = 0.5  # share of demonstrations that call the calculator
     demo_right: float = 0.3  # share of direct (no tool) demonstrations that are right
+    demo_valid: float = 1.0  # share of the demonstrations' calls that are well formed
     seed: int = 0
     name: str = "tool_arithmetic"
 
@@ -89,17 +107,21 @@ class ToolArithmeticTask:
         self.level_weights = checked_weights(self.level_weights, 3)
         check("task.demo_tool", self.demo_tool, 0.0 <= self.demo_tool <= 1.0, "a float in [0, 1]")
         check("task.demo_right", self.demo_right, 0.0 <= self.demo_right <= 1.0, "a float in [0, 1]")
+        check("task.demo_valid", self.demo_valid, 0.0 <= self.demo_valid <= 1.0, "a float in [0, 1]")
         check("task.seed", self.seed, isinstance(self.seed, int), "an int")
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> list[dict]:
-        """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed;
-        ``sft`` rows carry a demonstration (``demo``)."""
+        """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed,
+        ``eval`` disjoint from the others by question text (``word_problems.held_out``); ``sft``
+        rows carry a demonstration (``demo``)."""
         rng = split_rng(split, self.seed, salt=313)
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         rows = []
         for i in range(size):
             level = rng.choices(range(3), weights=weights)[0]
             question, expression, answer = _problem(level, rng, rng.choice(NAMES), rng.choice(THINGS))
+            while held_out(question) != (split == "eval"):  # redraw within the level
+                question, expression, answer = _problem(level, rng, rng.choice(NAMES), rng.choice(THINGS))
             row: dict[str, Any] = {"id": i, "level": level, "question": question, "answer": str(answer)}
             row["expression"] = expression
             if split == "sft":
@@ -109,11 +131,20 @@ class ToolArithmeticTask:
 
     def demonstrate(self, expression: str, answer: int, rng: random.Random) -> list[str]:
         """The model's turns and the tool's outputs, alternating (the outputs are context, not
-        loss, in the warm start: ``data/sft_data.py``)."""
+        loss, in the warm start: ``data/sft_data.py``). A malformed call (``1 - demo_valid`` of
+        the calls) gets the environment's error and an answer from the head, like a direct one."""
+        guess = self._guess(answer, rng)
         if rng.random() < self.demo_tool:
-            return [call_text(expression), str(answer), answer_text(answer)]
+            if rng.random() < self.demo_valid:
+                return [call_text(expression), str(answer), answer_text(answer)]
+            call, error = rng.choice(MALFORMED)
+            return [f"<tool_call>{json.dumps(call(expression))}</tool_call>", error, answer_text(guess)]
+        return [answer_text(guess)]
+
+    def _guess(self, answer: int, rng: random.Random) -> int:
+        """An answer from the head: right ``demo_right`` of the time, else off by a typical slip."""
         right = rng.random() < self.demo_right
-        return [answer_text(answer if right else answer + rng.choice((-20, -10, -2, 1, 10, 30)))]
+        return answer if right else answer + rng.choice((-20, -10, -2, 1, 10, 30))
 
     def prompt_text(self, row: dict) -> str:
         return f"{row['question']} {INSTRUCTION}"

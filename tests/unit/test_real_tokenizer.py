@@ -13,6 +13,7 @@ import torch
 from data.rollout.experience import Experience, collate
 from data.tasks.gsm8k import GSM8KTask
 from data.tasks.math import MathTask
+from data.tasks.tool_arithmetic import ToolArithmeticTask
 from data.tasks.word_problems import LEVELS, WordProblemsTask, final_number
 from modules.config.errors import ConfigError
 from modules.policy.prompt_format import ChatTemplate, PlainText
@@ -143,12 +144,13 @@ def test_word_problems_levels_answers_and_reward():
 
 
 @pytest.mark.parametrize("seed", [0, 3, 11])
-def test_word_problem_splits_are_disjoint_with_every_level_held_out(seed):
-    task = WordProblemsTask(seed=seed)
+@pytest.mark.parametrize("task_cls", [WordProblemsTask, ToolArithmeticTask])
+def test_word_problem_splits_are_disjoint_with_every_level_held_out(seed, task_cls):
+    task = task_cls(seed=seed)
     held_out = task.build("eval", 400)
     seen = {r["question"] for split in ("train", "sft") for r in task.build(split, 4000)}
     assert not seen & {r["question"] for r in held_out}
-    assert {r["level"] for r in held_out} == set(range(len(LEVELS)))
+    assert {r["level"] for r in held_out} == {0, 1, 2}
     # level 1's small question space (64 products x names x objects) still yields new questions
     assert len({r["question"] for r in held_out if r["level"] == 1}) > 100
 

@@ -90,23 +90,38 @@ def test_the_environment_answers_calls_counts_malformed_ones_and_scores_the_answ
     env.close()
 
 
-def test_task_rows_levels_demonstrations_and_reward():
-    task = ToolArithmeticTask()
-    rows = task.build("sft", 300)
+@pytest.mark.parametrize("demo_valid", [1.0, 0.6])
+def test_task_rows_levels_demonstrations_and_reward(demo_valid):
+    task = ToolArithmeticTask(demo_valid=demo_valid)
+    rows = task.build("sft", 600)
     assert {r["level"] for r in rows} == {0, 1, 2}
     assert task.build("eval", 5) == task.build("eval", 5) and task.build("eval", 5) != task.build("train", 5)
+    env = ChatCalculatorEnv(tools=ToolRunner(concurrency=2, timeout_s=5.0))
+    malformed = []
     for r in rows:
         assert calculate(r["expression"]) == int(r["answer"])
         demo = r["demo"]
         assert len(demo) in (1, 3) and demo[-1].startswith("The answer is")
         if len(demo) == 3:  # a call, the tool's output, the answer
-            assert parse_tool_call(demo[0], TOOLS) == ToolCall("calculator", {"expression": r["expression"]})
+            # the demonstrated observation is what the environment answers to that call
+            assert run_step(env, demo[0], r).observation == demo[1]
+            call = parse_tool_call(demo[0], TOOLS)
+            if isinstance(call, Malformed):
+                malformed.append(call.reason)
+                continue
+            assert call == ToolCall("calculator", {"expression": r["expression"]})
             assert demo[1] == r["answer"] and task.reward(r, demo[2]) == 1.0
+    env.close()
     tool_share = sum(len(r["demo"]) == 3 for r in rows) / len(rows)
     assert 0.4 < tool_share < 0.6
+    calls = sum(len(r["demo"]) == 3 for r in rows)
+    assert abs(len(malformed) / calls - (1 - demo_valid)) < 0.08
+    assert len(set(malformed)) == (3 if demo_valid < 1 else 0)  # every kind of slip occurs
     assert "<tool_call>" in task.prompt_text(rows[0]) and rows[0]["question"] in task.prompt_text(rows[0])
     with pytest.raises(ConfigError, match="task.demo_tool"):
         ToolArithmeticTask(demo_tool=1.5)
+    with pytest.raises(ConfigError, match="task.demo_valid"):
+        ToolArithmeticTask(demo_valid=-0.1)
 
 
 def test_stops_split_into_token_stops_and_text_stops():
