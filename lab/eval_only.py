@@ -2,7 +2,8 @@
 
     python -m lab.eval_only recipe=smollm2_tools model.path=artifacts/smollm2-135m-instruct
 
-Composes the config as ``train.py`` does (any overrides), starts the engine with ``model.path``
+Composes the config and runs the start-up checks as ``train.py`` does (any overrides; a bad
+value is refused naming its field), starts the engine with ``model.path``
 and runs the same evaluation the run's first held-out evaluation would (same prompts, greedy and
 sampled passes, per-request seeds, the environment's counters). Used to choose a warm start that
 leaves the RL recipe something to teach (lab/README.md, the tool recipe on the real model),
@@ -17,16 +18,14 @@ import time
 
 
 def main(overrides: list[str]) -> dict[str, float]:
-    import torch
-
-    from modules.launch.compose import build, compose
+    from modules.launch.compose import compose
+    from modules.launch.start import build_run
 
     cfg = compose(overrides, output_dir="/tmp/asyncrl-eval-only")
-    torch.set_num_threads(cfg.torch_threads)
-    dm = build(cfg.data)
+    dm, _, _ = build_run(cfg)  # every start-up check train.py runs; module and trainer unused
     t0 = time.perf_counter()
-    dm.setup("fit")  # starts the engine with model.path; no rollout generation
     try:
+        dm.setup("fit")  # starts the engine with model.path; no rollout generation
         started = time.perf_counter()
         out = dm.evaluate()
     finally:

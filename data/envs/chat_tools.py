@@ -3,8 +3,8 @@ the tool task of the real chat model (``data/tasks/tool_arithmetic.py``).
 
 A model turn that ends at ``</tool_call>`` (a text stop of five SmolLM2 tokens) is a call: a
 well-formed one runs the calculator through ``self.tools`` and its result is the observation;
-a malformed one (not JSON, an unknown tool, no expression, no closing tag) is answered with
-what was wrong and counted (``valid_call=False``). The runner renders either as the chat
+a malformed one (not JSON, an unknown tool, no expression, arguments that are not an object,
+no closing tag) is answered with what was wrong and counted (``valid_call=False``). The runner renders either as the chat
 template's tool turn (``model.prompt_format.observation``). A turn without a call is the final
 answer: the episode ends, scored 1.0 if its last number is the answer.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ def call_text(expression: str) -> str:
 
 # A weak demonstrator's malformed calls, as small models write them, and the environment's answer
 # to each (``data/envs/chat_tools.py``: "Error: " + the parser's reason; a test keeps them equal).
-MALFORMED = (
+MALFORMED: tuple[tuple[Callable[[str], Any], str], ...] = (
     (
         lambda e: {"name": TOOL, "arguments": {"expr": e}},
         "Error: calculator needs the argument 'expression'.",
@@ -86,6 +87,7 @@ MALFORMED = (
 
 
 def answer_text(value: int | str) -> str:
+    """The final answer as demonstrated."""
     return f"The answer is {value}."
 
 
@@ -99,7 +101,7 @@ class ToolArithmeticTask:
     level_weights: tuple[float, ...] | list[float] = (1.0, 1.0, 1.0)
     demo_tool: float = 0.5  # share of demonstrations that call the calculator
     demo_right: float = 0.3  # share of direct (no tool) demonstrations that are right
-    demo_valid: float = 1.0  # share of the demonstrations' calls that are well formed
+    demo_valid: float = 0.25  # share of the demonstrations' calls that are well formed
     seed: int = 0
     name: str = "tool_arithmetic"
 

@@ -194,6 +194,24 @@ def _check_tensor_parallel(cfg: DictConfig) -> None:
     )
 
 
+def _check_trainer_threads(cfg: DictConfig, usable: int, engine_cores: int) -> None:
+    """The trainer's threads fit beside a CPU engine: on the cores left to it when pinned, and
+    on the cores the engine leaves free when generation overlaps training (a rollout without
+    the sync barrier). Unpinned under sync, the trainer may take every core: the engine idles
+    while it steps."""
+    threads, pinned = cfg.get("torch_threads"), cfg.engine.get("pin_trainer", True)
+    overlaps = not getattr(target_class(cfg.rollout), "barrier", False)
+    if not isinstance(threads, int) or not (pinned or overlaps):
+        return
+    free = max(usable - engine_cores, 1)
+    why = (
+        f"the cores engine.cpu_cores={cfg.engine.cpu_cores} leaves the pinned trainer, or engine.pin_trainer=false"
+        if pinned
+        else "the cores the engine leaves free while generation overlaps training, or rollout=sync"
+    )
+    check("torch_threads", threads, threads <= free, f"an int in [1, {free}]: {why}")
+
+
 def _check_machine(cfg: DictConfig) -> None:
     engine, trainer = cfg.engine, cfg.trainer
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -218,6 +236,8 @@ def _check_machine(cfg: DictConfig) -> None:
                 bool(set(usable) - wanted),
                 f"a subset that leaves the trainer a core (usable: {usable}), or engine.pin_trainer=false",
             )
+        if wanted:
+            _check_trainer_threads(cfg, len(usable), len(wanted & set(usable)))
     kv = engine.get("cpu_kvcache_gb")
     if engine.get("gpu_ids") is None and isinstance(kv, int):
         import psutil

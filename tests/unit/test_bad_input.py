@@ -109,6 +109,21 @@ def test_every_core_for_the_engine_leaves_the_trainer_none(models):
     )
 
 
+def test_trainer_threads_must_fit_beside_a_cpu_engine(models):
+    """Pinned, the trainer has the cores the engine leaves; unpinned and overlapping (streaming),
+    those too; unpinned under sync's barrier, every core (the engine idles while it steps)."""
+    usable = len(os.sched_getaffinity(0))
+    base = [f"model.path={models['tied']}", "engine.cpu_cores='0'"]
+    for extra in ([], ["engine.pin_trainer=false", "rollout=streaming"]):
+        check_environment(compose([*base, *extra, f"torch_threads={usable - 1}"]))
+        if usable > 1:
+            with pytest.raises(
+                ConfigError, match=rf"torch_threads={usable}: must be an int in \[1, {usable - 1}\]"
+            ):
+                check_environment(compose([*base, *extra, f"torch_threads={usable}"]))
+    check_environment(compose([*base, "engine.pin_trainer=false", "rollout=sync", f"torch_threads={usable}"]))
+
+
 def test_a_sane_environment_passes(models):
     check_environment(compose([f"model.path={models['tied']}"]))
 

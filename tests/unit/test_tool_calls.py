@@ -90,7 +90,7 @@ def test_the_environment_answers_calls_counts_malformed_ones_and_scores_the_answ
     env.close()
 
 
-@pytest.mark.parametrize("demo_valid", [1.0, 0.6])
+@pytest.mark.parametrize("demo_valid", [1.0, 0.25])
 def test_task_rows_levels_demonstrations_and_reward(demo_valid):
     task = ToolArithmeticTask(demo_valid=demo_valid)
     rows = task.build("sft", 600)
