@@ -40,6 +40,7 @@ VARIANTS = [
     ["recipe=dapo"],
     ["recipe=ppo"],
     ["recipe=agent_calculator"],
+    ["recipe=smollm2_tools"],
     ["recipe=agent_calculator", "env.tools.latency._target_=data.envs.tools.LogNormal"],
     ["recipe=agent_calculator", "env.tools.latency._target_=data.envs.tools.Trace"],
     [
