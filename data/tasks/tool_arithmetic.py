@@ -35,7 +35,7 @@ from typing import Any
 from data.tasks import level_weights as checked_weights
 from data.tasks import split_rng
 from data.tasks.gsm8k import answers_match
-from data.tasks.word_problems import NAMES, THINGS, final_number, held_out
+from data.tasks.word_problems import NAMES, THINGS, draw_in_split, final_number
 from modules.config.errors import check
 
 TOOL = "calculator"
@@ -114,16 +114,16 @@ class ToolArithmeticTask:
 
     def build(self, split: str, size: int, level_weights: tuple[float, ...] | None = None) -> list[dict]:
         """``size`` rows of ``split`` (``train`` / ``eval`` / ``sft``), each split its own seed,
-        ``eval`` disjoint from the others by question text (``word_problems.held_out``); ``sft``
+        ``eval`` disjoint from the others by question text (``word_problems.draw_in_split``); ``sft``
         rows carry a demonstration (``demo``)."""
         rng = split_rng(split, self.seed, salt=313)
         weights = self.level_weights if level_weights is None else tuple(level_weights)
         rows = []
         for i in range(size):
             level = rng.choices(range(3), weights=weights)[0]
-            question, expression, answer = _problem(level, rng, rng.choice(NAMES), rng.choice(THINGS))
-            while held_out(question) != (split == "eval"):  # redraw within the level
-                question, expression, answer = _problem(level, rng, rng.choice(NAMES), rng.choice(THINGS))
+            question, expression, answer = draw_in_split(  # redrawn within the level
+                lambda level=level: _problem(level, rng, rng.choice(NAMES), rng.choice(THINGS)), split
+            )
             row: dict[str, Any] = {"id": i, "level": level, "question": question, "answer": str(answer)}
             row["expression"] = expression
             if split == "sft":

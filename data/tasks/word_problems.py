@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from data.tasks import level_weights as checked_weights
@@ -72,6 +73,15 @@ def held_out(question: str) -> bool:
     return hashlib.sha256(question.encode()).digest()[0] < round(HELD_OUT_SHARE * 256)
 
 
+def draw_in_split(draw: Callable[[], tuple], split: str) -> tuple:
+    """``draw()`` until its question (the first element) lies on ``split``'s side of
+    ``held_out``: ``eval`` takes only held-out questions, ``train`` / ``sft`` never."""
+    while True:
+        drawn = draw()
+        if held_out(drawn[0]) == (split == "eval"):
+            return drawn
+
+
 def final_number(response: str) -> str | None:
     """The last number written in ``response`` (commas dropped), or None."""
     numbers = re.findall(_NUMBER, response)
@@ -96,9 +106,9 @@ class WordProblemsTask:
         rows = []
         for i in range(size):
             level = rng.choices(range(len(LEVELS)), weights=weights)[0]
-            question, answer = LEVELS[level](rng, rng.choice(NAMES), rng.choice(THINGS))
-            while held_out(question) != (split == "eval"):  # redraw within the level
-                question, answer = LEVELS[level](rng, rng.choice(NAMES), rng.choice(THINGS))
+            question, answer = draw_in_split(  # redrawn within the level
+                lambda level=level: LEVELS[level](rng, rng.choice(NAMES), rng.choice(THINGS)), split
+            )
             rows.append({"id": i, "level": level, "question": question, "answer": str(answer)})
         return rows
 
