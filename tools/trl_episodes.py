@@ -4,20 +4,29 @@
         recipe=agent_calculator rollout=sync "~rollout.max_staleness" algo/correction=none \\
         algo.loss.anchor=bypass
 
-``tools/trl_peer.py`` uses this when the composed config has an environment (``env=...``).
-TRL's own tool loop (``tools=`` / ``environment_factory=``) renders prompts and tool results
-with the tokenizer's chat template and parses tool calls from it; the project's character
-model has no chat template, so the peer takes TRL's documented hook for custom multi-turn
-generation instead: a ``rollout_func`` that returns the token ids of each episode and an
-``env_mask`` (1 on model tokens, 0 on observation tokens: TRL masks the latter out of the loss
-and the KL, as the project does). The loop is TRL's own shape: one batched ``generate`` for
-every episode still running, then every environment step of that turn concurrently (the tool's
-latency model included), then the next turn for the episodes that go on.
+    .venv-trl/bin/python -m tools.trl_peer --run-dir outputs/bench/trl_tools/seed0 --seed 0 -- \\
+        recipe=smollm2_tools                                  # the real chat model's tool calls
 
-The episode rules are those of ``data/envs/episodes.py``: a turn ends at an ``env.stop`` token,
-EOS, ``env.max_turn_tokens`` or the budget; the turn's text goes to ``env.step``, whose
-observation is tokenised once and appended (mask 0); the episode ends when the environment says
-done, the model writes EOS, ``env.max_turns`` turns are done or its tokens (model and
+``tools/trl_peer.py`` uses this when the composed config has an environment (``env=...``).
+TRL's own tool loop (``tools=`` / ``environment_factory=``) renders tool results with the chat
+template and parses calls with a response schema it knows for some templates; the character
+model has no template, and SmolLM2's renders no tool definitions and has no schema TRL knows
+(``add_response_schema`` refuses it: "Unrecognized chat template"), so the peer takes TRL's
+documented hook for custom multi-turn generation instead: a ``rollout_func`` that returns the
+token ids of each episode and an ``env_mask`` (1 on model tokens, 0 on observation tokens: TRL
+masks the latter out of the loss and the KL, as the project does). The loop is TRL's own shape:
+one batched ``generate`` for every episode still running, then every environment step of that
+turn concurrently (the tool's latency model included), then the next turn for the episodes
+that go on.
+
+The episode rules are those of ``data/envs/episodes.py``: prompts become ids through
+``model.prompt_format`` (a chat model's template); a turn ends at an ``env.stop`` (a token, or a
+text stop such as ``</tool_call>``: Hugging Face's ``stop_strings``, the turn cut after the
+token that completes it, as ``data/envs/stops.py`` cuts the engine's), EOS,
+``env.max_turn_tokens`` or the budget; the turn's text goes to ``env.step``, whose observation is
+rendered by the prompt format (a chat model: the template's tool turn, the ``<|im_end|>``
+that closes the calling turn included), tokenised once and appended (mask 0); the episode ends
+when the environment says done, the model writes EOS, ``env.max_turns`` turns are done or its tokens (model and
 observation) reach the budget (``env.max_total_tokens`` or ``rollout.sampling.max_tokens``);
 its reward is ``env.final_reward``, ``truncated`` as the runner's ``finish_reason == "length"``.
 Behaviour logprobs are the sampling distribution's (after temperature / top-k / top-p), as the
@@ -32,14 +41,23 @@ from typing import Any
 
 import torch
 
-from data.envs.base import stop_token_ids
+from data.envs.stops import Stops
+from modules.policy.prompt_format import PlainText
 
 
 class EpisodeRollout:
     """``rollout_func(prompts, trainer)`` for TRL: one episode per prompt (TRL repeats each
     prompt ``num_generations`` times), its reward in the ``episode_reward`` field."""
 
-    def __init__(self, env: Any, task: Any, rows: dict[str, dict], tokenizer: Any, sampling: Any) -> None:
+    def __init__(
+        self,
+        env: Any,
+        task: Any,
+        rows: dict[str, dict],
+        tokenizer: Any,
+        sampling: Any,
+        prompt_format: Any = None,
+    ) -> None:
         self.env = env
         self.task = task
         self.rows = rows  # prompt text -> dataset row
@@ -49,7 +67,8 @@ class EpisodeRollout:
         self.top_k = int(sampling.top_k)
         self.budget = int(env.max_total_tokens or sampling.max_tokens)
         self.turn_cap = env.max_turn_tokens  # None: only the episode's budget
-        self.stop_ids = list(stop_token_ids(tokenizer, env.stop))  # as EpisodeRunner
+        self.stops = Stops(tokenizer, env.stop)  # as EpisodeRunner: token stops and text stops
+        self.prompt_format = prompt_format if prompt_format is not None else PlainText()
         self.loop = asyncio.new_event_loop()
         self.turn_stats: list[list[dict]] = []
         # mean episode length of the last call, model and observation tokens (as the project counts)
@@ -68,7 +87,7 @@ class EpisodeRollout:
 
     def episodes(self, prompts: list[str], model: Any) -> dict[str, list]:
         rows = [self.rows[p] for p in prompts]
-        prompt_ids = [self.tokenizer(self.task.prompt_text(r))["input_ids"] for r in rows]
+        prompt_ids = [self.prompt_format.ids(self.tokenizer, self.task.prompt_text(r)) for r in rows]
         states = self.run([self.env.reset(r) for r in rows])
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
@@ -86,17 +105,16 @@ class EpisodeRollout:
             caps = [self.budget - len(tokens[i]) for i in running]
             if self.turn_cap is not None:
                 caps = [min(c, self.turn_cap) for c in caps]
-            new, lps = self.generate(model, [prompt_ids[i] + tokens[i] for i in running], caps)
+            new, lps, stopped = self.generate(model, [prompt_ids[i] + tokens[i] for i in running], caps)
             texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
             steps = self.run([self.step(states[i], text) for i, text in zip(running, texts)])
             going = []
-            for i, ids, lp, step in zip(running, new, lps, steps):
+            for i, ids, lp, ended_by_stop, step in zip(running, new, lps, stopped, steps):
                 tokens[i] += ids
                 logprobs[i] += lp
                 mask[i] += [1] * len(ids)
                 rewards[i].append(float(step.reward))
                 turns[i].append({"reward": float(step.reward), "done": bool(step.done), **step.info})
-                ended_by_stop = ids[-1] in self.stop_ids
                 eos = not ended_by_stop and ids[-1] == self.tokenizer.eos_token_id
                 room = self.budget - len(tokens[i])
                 last = turn + 1 >= self.env.max_turns
@@ -104,7 +122,8 @@ class EpisodeRollout:
                     cut = not (eos or ended_by_stop) and room <= 0  # the budget cut the model's turn
                     truncated[i] = cut or not (eos or step.done or last)
                     continue
-                obs = list(self.tokenizer(step.observation, add_special_tokens=False)["input_ids"])[:room]
+                rendered = self.prompt_format.observation(self.tokenizer, step.observation)
+                obs = list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])[:room]
                 tokens[i] += obs
                 logprobs[i] += [0.0] * len(obs)
                 mask[i] += [0] * len(obs)
@@ -146,36 +165,41 @@ class EpisodeRollout:
     @torch.no_grad()
     def generate(
         self, model: Any, contexts: list[list[int]], caps: list[int]
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         """One model turn for each context (left-padded batch): the new ids, cut after the first
-        stop or EOS token and at the turn's cap (``caps``, >= 1 each), and their sampling
-        logprobs. A row sampled past its cap is cut there: its first ``cap`` tokens are drawn
-        as with ``max_tokens=cap``."""
+        EOS or stop (a stop token, or the token that completes a text stop) and at the turn's cap
+        (``caps``, >= 1 each), their sampling logprobs, and whether a stop ended the turn. A row
+        sampled past its cap is cut there: its first ``cap`` tokens are drawn as with
+        ``max_tokens=cap``."""
         pad = self.tokenizer.pad_token_id
         width = max(map(len, contexts))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
         attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        text_stops = {"stop_strings": list(self.stops.strings), "tokenizer": self.tokenizer}
         out = model.generate(
             input_ids=ids,
             attention_mask=attention,
             do_sample=True,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else None,
+            top_k=self.top_k if self.top_k > 0 else 0,  # 0, not None: None is Hugging Face's 50
             max_new_tokens=max(caps),
-            eos_token_id=[self.tokenizer.eos_token_id, *self.stop_ids],
+            eos_token_id=[self.tokenizer.eos_token_id, *self.stops.token_ids],
             pad_token_id=pad,
             output_scores=True,  # the processed scores: the distribution each token was drawn from
             return_dict_in_generate=True,
+            **(text_stops if self.stops.strings else {}),
         )
         new = out.sequences[:, width:]
         steps = torch.stack(out.scores, dim=1).log_softmax(-1)  # [B, new, vocab]
         chosen = steps.gather(-1, new[:, : steps.shape[1], None]).squeeze(-1)
-        ends = {self.tokenizer.eos_token_id, *self.stop_ids}
-        result, lps = [], []
+        ends = {self.tokenizer.eos_token_id, *self.stops.token_ids}
+        result, lps, stopped = [], [], []
         for row, lp, cap in zip(new.tolist(), chosen.tolist(), caps):
+            # the row is padded after its end (pad may be EOS: SmolLM2's), so the first end counts
             n = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
-            n = min(n, cap)
+            n, by_stop = self.stops.end(self.tokenizer, row[: min(n, cap)])  # a token or text stop
             result.append(row[:n])
             lps.append(lp[:n])
-        return result, lps
+            stopped.append(by_stop)
+        return result, lps, stopped

@@ -211,16 +211,14 @@ def main() -> None:
     if cfg.get("env") is not None:  # multi-turn: the project's environment through TRL's rollout_func
         from tools.trl_episodes import EpisodeRollout
 
-        if not isinstance(trl_prompt(prompt_format, "x"), str):
-            raise SystemExit(
-                "model.prompt_format: the TRL peer's multi-turn path renders plain-text prompts only"
-            )
         if overlong is not None:
             raise SystemExit("rollout/overlong: the TRL peer's multi-turn path does not mirror it")
 
         env = instantiate(cfg.env)
         texts = {task.prompt_text(r): r for r in rows}
-        rollout_func = EpisodeRollout(env, task, texts, tokenizer, rollout.sampling)
+        rollout_func = EpisodeRollout(env, task, texts, tokenizer, rollout.sampling, prompt_format)
+        # the rollout renders each prompt (its chat template included): TRL is given the text
+        dataset = Dataset.from_list([{"prompt": task.prompt_text(r), "row_id": int(r["id"])} for r in rows])
 
         def reward(prompts: list, completions: list, episode_reward: list, **_: Any) -> list[float]:
             return [float(x) for x in episode_reward]

@@ -172,3 +172,89 @@ def test_trl_episodes_truncate_and_cap_turns_as_the_episode_runner(models):
     assert len(out["completion_ids"][0]) == 9 and out["episode_reward"] == [1.0, 1.0]
     out = rollout(24, max_turns=1, max_turn_tokens=5)  # one turn of at most 5 tokens, then scored
     assert [len(c) for c in out["completion_ids"]] == [2, 5] and out["episode_reward"] == [0.0, 0.0]
+
+
+class ScriptedChatModel:
+    """``generate`` as Hugging Face returns it, writing SmolLM2-style turns by rule: before any
+    tool turn a call of the question's product and, past it, text a model with ``stop_strings``
+    would not have written (the rollout must cut the turn after ``</tool_call>``); after a tool
+    turn the answer, then ``<|im_end|>``, then padding (pad == EOS in SmolLM2)."""
+
+    def __init__(self, tokenizer, call: str, answer: str) -> None:
+        self.tok, self.call, self.answer = tokenizer, call, answer
+        self.kwargs: dict = {}
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
+        import torch
+
+        self.kwargs = kw
+        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        rows, scores = [], []
+        for ids, m in zip(input_ids.tolist(), attention_mask.tolist()):
+            context = self.tok.decode([t for t, k in zip(ids, m) if k])
+            if "<|im_start|>tool" in context:
+                new = [*enc(self.answer), self.tok.eos_token_id]
+            else:
+                new = enc(self.call + " Then I will answer")
+            new = new[:max_new_tokens]
+            rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
+        out = torch.tensor(rows)
+        for k in range(max_new_tokens):
+            logits = torch.full((len(rows), len(self.tok)), -1e9)
+            logits[torch.arange(len(rows)), out[:, k]] = 0.0
+            scores.append(logits)
+        return SimpleNamespace(sequences=torch.cat([input_ids, out], dim=1), scores=tuple(scores))
+
+
+def test_trl_episodes_on_the_chat_template_with_a_text_stop():
+    """``recipe=smollm2_tools`` through TRL's rollout hook, with SmolLM2's tokenizer: the prompt
+    is the chat template's (the ids the project trains on), the call's turn ends after the token
+    that completes the five-token ``</tool_call>`` (Hugging Face's ``stop_strings`` asked for it),
+    the observation is the template's tool turn (the ``<|im_end|>`` closing the call's turn first,
+    then the next assistant header), masked out; the whole episode decodes to what the template
+    renders for the same conversation."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from data.envs.chat_tools import ChatCalculatorEnv
+    from data.envs.tools import ToolRunner
+    from data.tasks.tool_arithmetic import ToolArithmeticTask, answer_text, call_text
+    from modules.policy.prompt_format import ChatTemplate
+    from tools.trl_episodes import EpisodeRollout
+
+    path = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2-135m-instruct"
+    assert (path / "tokenizer.json").is_file(), f"{path} is missing: run `make smollm2`"
+    tok = AutoTokenizer.from_pretrained(path)
+    task = ToolArithmeticTask()
+    row = task.build("train", 1)[0]
+    fmt = ChatTemplate()
+    text = task.prompt_text(row)
+    env = ChatCalculatorEnv(tools=ToolRunner(concurrency=2, timeout_s=5.0), stop=["</tool_call>"])
+    sampling = SimpleNamespace(temperature=0.7, top_p=1.0, top_k=-1, max_tokens=128)
+    rollout = EpisodeRollout(env, task, {text: row}, tok, sampling, fmt)
+    call, answer = call_text(row["expression"]), answer_text(row["answer"])
+    model = ScriptedChatModel(tok, call, answer)
+    out = rollout.episodes([text], model)
+    rollout.close()
+    assert model.kwargs["stop_strings"] == ["</tool_call>"] and model.kwargs["tokenizer"] is tok
+    assert model.kwargs["top_k"] == 0  # top_k=-1 (off): 0, not Hugging Face's default of 50
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    obs = enc(fmt.observation(tok, str(row["answer"])))
+    assert tok.decode(obs).startswith("<|im_end|>\n<|im_start|>tool\n")
+    assert tok.decode(obs).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert out["prompt_ids"] == [fmt.ids(tok, text)]
+    (ids,), (mask,) = out["completion_ids"], out["env_mask"]
+    n_call = len(enc(call))
+    assert tok.decode(ids[:n_call]) == call and ids[n_call : n_call + len(obs)] == obs
+    assert ids[n_call + len(obs) :] == [*enc(answer), tok.eos_token_id]  # the EOS stays (pad == EOS)
+    assert mask == [1] * n_call + [0] * len(obs) + [1] * (len(enc(answer)) + 1)
+    assert out["episode_reward"] == [1.0] and rollout.turn_stats[0][0]["valid_call"] is True
+    conversation = [
+        *fmt.messages(text),
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(row["answer"])},
+        {"role": "assistant", "content": answer},
+    ]
+    rendered = tok.apply_chat_template(conversation, tokenize=False)
+    assert tok.decode(out["prompt_ids"][0] + ids) + "\n" == rendered  # the template ends a turn with "\n"
