@@ -8,14 +8,16 @@ A held-out reward curve is a list of evaluation points ``(training wall-clock s,
 increasing time. ``time_to_reward`` finds when a curve first reaches a target reward,
 ``target_from_finals`` turns the reference runs' final rewards into that target, and
 ``summarize_times`` aggregates per-seed results honestly (seeds that never reach the target are
-counted, not averaged in).
+counted, not averaged in). ``per_seed_ci`` / ``paired_per_seed_ci`` are the seed-as-unit
+intervals every table of several runs per seed uses (average within seed first, then a t
+interval over seeds).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 
 def _clean(times: Sequence[float], values: Sequence[float]) -> list[tuple[float, float]]:
@@ -144,6 +146,67 @@ def mean_ci(values: Sequence[float | None]) -> dict[str, object]:
         s = statistics.stdev(vals)
         half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
         out.update(std=s, lo=m - half, hi=m + half)
+    return out
+
+
+def by_seed(pairs: Iterable[tuple[Hashable, float | None]]) -> dict[Hashable, list[float | None]]:
+    """``(seed, value)`` pairs grouped by seed, seeds in first-seen order (the input of
+    ``per_seed_ci``)."""
+    out: dict[Hashable, list[float | None]] = {}
+    for seed, value in pairs:
+        out.setdefault(seed, []).append(value)
+    return out
+
+
+def _seed_means(values: Mapping[Hashable, Sequence[float | None]]) -> dict[Hashable, float]:
+    """Each seed's mean over its finite values; a seed with none is left out."""
+    means = {}
+    for seed, vs in values.items():
+        finite = [float(v) for v in vs if v is not None and not math.isnan(float(v))]
+        if finite:
+            means[seed] = statistics.fmean(finite)
+    return means
+
+
+def per_seed_ci(values: Mapping[Hashable, Sequence[float | None]]) -> dict[str, object]:
+    """Mean and 95 % t interval with the seed as the unit: per-run values keyed by seed
+    (``{seed: [value, ...]}``, e.g. the paired differences of several lags K of one seed, or
+    runs of one seed from two builds) are averaged within each seed first, and ``mean_ci`` is
+    taken over those seed means (``n`` = seeds with a finite value, df = n - 1). None and NaN
+    are skipped.
+
+    Why not pool the runs: runs that share a seed share its prompts and first batches, so
+    their outcomes move together; and when every lagged run of a seed is paired with the same
+    K = 0 run, that one run's noise is in each difference. Pooling m such values per seed as
+    independent divides the spread by about sqrt(m) more than the data warrant (9-15 (K, seed)
+    pairs from 3 seeds read as n = 9-15). One value per seed is independent across seeds; the
+    price is that the within-seed replication narrows nothing (a conservative interval).
+
+    Returns ``mean_ci``'s keys (``std`` the sd of the seed means, ``n_total`` the seeds given)
+    with ``n_runs`` (finite values averaged in) and ``seed_means`` ({seed: mean})."""
+    means = _seed_means(values)
+    out = mean_ci(list(means.values()))
+    out.update(
+        n_total=len(values),
+        n_runs=sum(v is not None and not math.isnan(float(v)) for vs in values.values() for v in vs),
+        seed_means=means,
+    )
+    return out
+
+
+def paired_per_seed_ci(
+    a: Mapping[Hashable, Sequence[float | None]], b: Mapping[Hashable, Sequence[float | None]]
+) -> dict[str, object]:
+    """Arm ``a`` minus arm ``b`` matched by seed, averaged within seed first: each seed's mean
+    over ``a``'s runs minus its mean over ``b``'s, over the seeds with a finite value in both,
+    then ``per_seed_ci`` of those differences (n = matched seeds, df = n - 1; why: see
+    ``per_seed_ci``). ``n_unmatched`` counts the seeds that have values in only one arm (left
+    out). Where the pairs must match more finely than by seed (same lag, same build of the
+    warm start), form those differences first and pass them to ``per_seed_ci`` keyed by seed."""
+    ma, mb = _seed_means(a), _seed_means(b)
+    both = [s for s in ma if s in mb]
+    out = per_seed_ci({s: [ma[s] - mb[s]] for s in both})
+    out["n_unmatched"] = len((set(ma) | set(mb)) - set(both))
     return out
 
 

@@ -222,3 +222,45 @@ def test_run_dir_names_are_safe_in_hydra_overrides():
     assert "=" not in name and "," not in name and "/" not in name and name.startswith("async_grpo+")
     deleted = run_dir_name("agent_calculator:rollout=sync,~rollout.max_staleness")
     assert "~" not in deleted and deleted == "agent_calculator+rollout-sync+no.rollout.max_staleness"
+
+
+def test_per_seed_ci_averages_within_seed_first_where_pooling_would_not():
+    """Two runs per seed (e.g. two lags, each minus the same K = 0 run). Seed means 0.2, 0.1,
+    0.3: mean 0.2, sd 0.1, half-width 4.303 * 0.1 / sqrt(3) = 0.24844, so the interval holds 0.
+    The six runs pooled as independent (sd sqrt(0.1 / 5), t(5) = 2.571) would give
+    0.2 +- 0.14844, excluding 0: the per-seed interval must not."""
+    from lab.bench_metrics import by_seed, mean_ci, per_seed_ci
+
+    runs = {0: [0.1, 0.3], 1: [0.0, 0.2], 2: [0.4, 0.2]}
+    ci = per_seed_ci(runs)
+    assert ci["n"] == 3 and ci["n_runs"] == 6 and ci["seed_means"] == pytest.approx({0: 0.2, 1: 0.1, 2: 0.3})
+    assert ci["mean"] == pytest.approx(0.2) and ci["std"] == pytest.approx(0.1)
+    assert ci["lo"] == pytest.approx(0.2 - 0.24844, abs=1e-5) and ci["hi"] == pytest.approx(0.44844, abs=1e-5)
+    pooled = mean_ci([v for vs in runs.values() for v in vs])
+    assert pooled["lo"] == pytest.approx(0.05156, abs=1e-5) and pooled["hi"] == pytest.approx(
+        0.34844, abs=1e-5
+    )
+    assert ci["lo"] < 0 < pooled["lo"]
+    # the same from (seed, value) pairs, in any order; None / NaN skipped, a seed of them dropped
+    pairs = [(2, 0.4), (0, 0.1), (1, 0.0), (0, 0.3), (2, 0.2), (1, 0.2), (1, None), (3, math.nan)]
+    again = per_seed_ci(by_seed(pairs))
+    assert again["n"] == 3 and again["n_total"] == 4 and again["n_runs"] == 6
+    assert (again["lo"], again["hi"]) == pytest.approx((ci["lo"], ci["hi"]))
+    one = per_seed_ci({0: [0.1, 0.5]})  # one seed: a mean, no interval, however many runs
+    assert one["mean"] == pytest.approx(0.3) and one["lo"] is None and one["n"] == 1
+
+
+def test_paired_per_seed_ci_matches_arms_by_seed_after_averaging_each():
+    """a - b by seed: seed 0 (0.5 + 0.7) / 2 - 0.4 = 0.2, seed 1 0.6 - (0.5 + 0.3) / 2 = 0.2,
+    seed 2 0.9 - 0.6 = 0.3 (seed 3 only in b: left out). Mean 0.23333, sd 0.057735, half-width
+    4.303 * 0.057735 / sqrt(3) = 0.143433."""
+    from lab.bench_metrics import paired_per_seed_ci
+
+    a = {0: [0.5, 0.7], 1: [0.6], 2: [0.9]}
+    b = {0: [0.4], 1: [0.5, 0.3], 2: [0.6], 3: [0.1]}
+    d = paired_per_seed_ci(a, b)
+    assert d["n"] == 3 and d["n_unmatched"] == 1
+    assert d["seed_means"] == pytest.approx({0: 0.2, 1: 0.2, 2: 0.3})
+    assert d["mean"] == pytest.approx(0.233333, abs=1e-6)
+    assert d["lo"] == pytest.approx(0.089900, abs=1e-5) and d["hi"] == pytest.approx(0.376767, abs=1e-5)
+    assert paired_per_seed_ci({0: [1.0]}, {1: [0.0]})["n"] == 0  # no seed in both: nothing
