@@ -5,6 +5,7 @@
     python -m lab.drift_grid --mismatch                          # bf16 engine, float32 trainer
     python -m lab.drift_grid --controller                        # + callbacks/drift=controller
     python -m lab.drift_grid --analyze outputs/bench/drift       # re-read finished runs
+    python -m lab.drift_grid --analyze outputs/bench/drift --pool-lags 2 4 8   # + pooled over K, per seed
     python -m lab.drift_grid --resume --out outputs/bench/drift  # finish an interrupted grid
     python -m lab.drift_grid --resume --store lab/results/drift_grid_3e-3.jsonl ...  # across sessions
     python -m lab.drift_grid --replay outputs/bench/modes5/*/seed*   # the detector on any runs
@@ -40,7 +41,8 @@ and the detector's lead times and false alarms.
 This file is the command line; the work is in ``lab.drift_cells`` (arms, cell specs),
 ``lab.drift_outcome`` (one run's metrics -> collapse, alarm, diagnostics), ``lab.drift_store``
 (run directories and the run store), ``lab.drift_table`` (outcomes -> the table, paired
-differences) and ``lab.drift_report`` (the table as Markdown, the trajectories plot).
+differences, the seed as the unit), ``lab.drift_pooled`` (differences pooled over lags, averaged
+within seed first) and ``lab.drift_report`` (the table as Markdown, the trajectories plot).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from pathlib import Path
 from lab import run_store
 from lab.drift_cells import ARMS, MISMATCH, cell_spec, short
 from lab.drift_outcome import replay
+from lab.drift_pooled import markdown as pooled_markdown
+from lab.drift_pooled import pooled
 from lab.drift_report import markdown, plot_trajectories
 from lab.drift_store import archive, check_setup, find_run, pending_seeds, run_lock, start_reward, sweep
 from lab.drift_table import table
@@ -78,6 +82,13 @@ def main() -> None:
         "--replay", type=Path, nargs="+", help="only replay the detector on these finished runs (lag 0)"
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown, not JSON")
+    parser.add_argument(
+        "--pool-lags",
+        type=int,
+        nargs="+",
+        help="also pool each arm's paired differences over these lags, the seed as the unit "
+        "(lab.drift_pooled; default: every lag > 0 of --lags)",
+    )
     parser.add_argument(
         "--with-store",
         type=Path,
@@ -153,6 +164,7 @@ def main() -> None:
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
     result = table(out, specs, args.seeds, args.drop, detector, stored, others)
+    result["pooled"] = pooled(result["cells"], args.pool_lags or [k for k in args.lags if k > 0])
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     runs = {}
@@ -163,7 +175,12 @@ def main() -> None:
                 runs[f"{short(spec)} s{seed}"] = found[0]
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
-    print(markdown(result["cells"], start_reward(out, stored)) if args.markdown else json.dumps(result))
+    if args.markdown:
+        print(
+            markdown(result["cells"], start_reward(out, stored)) + "\n\n" + pooled_markdown(result["pooled"])
+        )
+    else:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def ci_text(p: dict | None) -> str:
     text = f"*{text}*" if p["inside_noise"] else f"**{text}**"
     if not p.get("reference"):
         return text
-    some = "" if p.get("reference_n", p["n"]) == p["n"] else f" for {p['reference_n']} of {p['n']}"
+    pairs = p.get("n_pairs", p["n"])
+    some = "" if p.get("reference_n", pairs) == pairs else f" for {p['reference_n']} of {pairs} pairs"
     return f"{text} (vs {p['reference']}{some})"
 
 
@@ -97,13 +98,14 @@ def markdown(cells: dict[str, dict], start: float) -> str:
         diagnostics_text: "Diagnostics at full lag (medians per run, mean over seeds): ESS fraction / "
         "behaviour KL / clip fraction",
         paired_text: "Final held-out sampled reward minus K = 0's, same arm (or plain `decoupled`'s where marked), "
-        "paired by seed within a build: mean [95 % t CI]; italics: inside the noise (the interval holds 0)",
+        "paired by seed within a build, the seed as the unit (a seed's pairs averaged first): mean [95 % t CI over "
+        "seeds]; italics: inside the noise (the interval holds 0)",
         greedy_paired_text: "The same for the greedy held-out reward (minus K = 0's, same arm or where marked plain "
-        "`decoupled`'s, paired by seed within a build)",
-        bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed within a build: sampled / greedy, "
-        "mean [95 % t CI]; italics: inside the noise",
+        "`decoupled`'s, paired by seed within a build, the seed as the unit)",
+        bypass_text: "Final held-out reward minus `bypass`'s at the same K, paired by seed within a build, the seed as "
+        "the unit: sampled / greedy, mean [95 % t CI over seeds]; italics: inside the noise",
         decoupled_text: "The correction alone: final held-out reward minus plain `decoupled`'s at the same K, "
-        "paired by seed within a build: sampled / greedy; italics: inside the noise",
+        "paired by seed within a build, the seed as the unit: sampled / greedy; italics: inside the noise",
         anchors_text: "Both anchors at full lag: share of tokens with pi / mu outside 1 -+ 0.2 / the same "
         "for pi / pi_old (medians per run, mean over seeds) / largest pi / mu / largest IS weight",
     }

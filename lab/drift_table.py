@@ -17,16 +17,20 @@ from lab.drift_outcome import outcome
 from lab.drift_store import dir_run, find_run, start_reward
 
 
-def mean_ci(xs: list[float]) -> dict:
-    """``bench_metrics.mean_ci`` as the tables read it: mean, 95 % t interval (None with fewer
-    than 2 values), n and ``inside_noise`` (the interval holds 0)."""
-    ci = bench_metrics.mean_ci(xs)
+def seed_ci(pairs: list[tuple[int, float]]) -> dict:
+    """``bench_metrics.per_seed_ci`` as the tables read it: ``(seed, difference)`` pairs (one per
+    paired run; a seed can have several: two builds of the warm start, or several lags pooled)
+    averaged within seed first, then the mean and 95 % t interval over seeds (None with fewer
+    than 2 seeds); ``n`` counts seeds, ``n_pairs`` the pairs, ``inside_noise``: the interval
+    holds 0."""
+    ci = bench_metrics.per_seed_ci(bench_metrics.by_seed(pairs))
     lo, hi = ci["lo"], ci["hi"]
     interval = None if lo is None else [lo, hi]
     return {
         "mean": math.nan if ci["mean"] is None else ci["mean"],
         "ci": interval,
         "n": ci["n"],
+        "n_pairs": ci["n_runs"],
         "inside_noise": None if interval is None else lo <= 0 <= hi,
     }
 
@@ -50,18 +54,19 @@ def run_key(run: dict) -> tuple[int, int]:
     return run["seed"], run.get("build", 0)
 
 
-def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
-    """Each cell's ``key`` (final held-out sampled or greedy reward) minus its reference cell's,
-    paired by seed within a build of the warm start (a run's ``build``: 0 for the store being
-    written, i for the i-th ``--with-store``; never across builds), with a 95 % t interval
-    (``mean_ci``). ``reference``: ``k0`` pairs a lagged cell with the same arm (and the same
-    other overrides) at K = 0. A run of a corrected decoupled arm whose build has no K = 0 run
-    of that arm pairs with plain ``decoupled``'s K = 0 run instead, where that is the same loss:
-    a correction in ``IDENTITY_AT_K0`` (weight 1 where mu is pi_old) and an engine that agreed
-    with the trainer in that run (``engine_matches_trainer``: not a bf16 engine); the result's
-    ``reference`` names it and ``reference_n`` counts those pairs. An arm's name (``bypass``,
-    ``decoupled``, ...) pairs a cell with that arm at the same K (and the same other
-    overrides). Cells without a reference are left out."""
+def paired_runs(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
+    """Each cell's runs paired with its reference cell's: ``{spec: {"pairs": [(seed, x - y)],
+    "via_alt": n}}``, ``key`` the final held-out sampled or greedy reward, pairs by seed within a
+    build of the warm start (a run's ``build``: 0 for the store being written, i for the i-th
+    ``--with-store``; never across builds). ``reference``: ``k0`` pairs a lagged cell with the
+    same arm (and the same other overrides) at K = 0. A run of a corrected decoupled arm whose
+    build has no K = 0 run of that arm pairs with plain ``decoupled``'s K = 0 run instead, where
+    that is the same loss: a correction in ``IDENTITY_AT_K0`` (weight 1 where mu is pi_old) and
+    an engine that agreed with the trainer in that run (``engine_matches_trainer``: not a bf16
+    engine); ``via_alt`` counts those pairs. ``k0:<arm>`` pairs every cell with that arm's K = 0
+    run (e.g. ``k0:bypass``: the shipped anchor's on-policy run as everyone's reference). An
+    arm's name (``bypass``, ``decoupled``, ...) pairs a cell with that arm at the same K (and the
+    same other overrides). Cells without a reference are left out."""
     ref_key, ref_spec, fallback = {}, {}, {}
     for spec in cells:
         parts = spec_overrides(spec)
@@ -73,12 +78,16 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
                 and parts.get("algo/correction") in IDENTITY_AT_K0
             ):
                 fallback[spec] = tuple(sorted({**parts, "algo/correction": "none"}.items()))
-        elif reference in ARMS:
+        elif reference in ARMS or reference.removeprefix("k0:") in ARMS:
             for k in ("algo/correction", "algo.loss.anchor", "algo/objective"):
                 parts.pop(k, None)
-            is_ref = arm_of(spec) == reference
+            arm = reference.removeprefix("k0:")
+            is_ref = arm_of(spec) == arm
+            if reference.startswith("k0:"):
+                parts.pop("callbacks.weight_sync.lag", None)
+                is_ref = is_ref and lag_of(spec) == 0
         else:
-            raise ValueError(f"reference must be 'k0' or one of {ARMS}, got {reference!r}")
+            raise ValueError(f"reference must be 'k0', 'k0:<arm>' or an arm of {ARMS}, got {reference!r}")
         ref_key[spec] = tuple(sorted(parts.items()))
         if is_ref:
             ref_spec[ref_key[spec]] = spec
@@ -90,18 +99,29 @@ def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -
         refs = {run_key(r): r for r in cells[own]["runs"]} if own else {}
         alt = ref_spec.get(fallback[spec]) if spec in fallback else None
         alts = {run_key(r): r for r in cells[alt]["runs"] if engine_matches_trainer(r)} if alt else {}
-        diffs, via_alt = [], 0
+        pairs, via_alt = [], 0
         for r in cell["runs"]:
             at = run_key(r)
             partner = refs.get(at) or alts.get(at)
             x, y = r.get(key, math.nan), (partner or {}).get(key, math.nan)
             if math.isfinite(x) and math.isfinite(y):
-                diffs.append(x - y)
+                pairs.append((r["seed"], x - y))
                 via_alt += at not in refs
-        if diffs:
-            out[spec] = mean_ci(diffs)
-            if via_alt:
-                out[spec].update(reference="decoupled", reference_n=via_alt)
+        if pairs:
+            out[spec] = {"pairs": pairs, "via_alt": via_alt}
+    return out
+
+
+def paired(cells: dict[str, dict], reference: str, key: str = "final_sampled") -> dict[str, dict]:
+    """Each cell's ``key`` minus its reference cell's (``paired_runs``), with the seed as the
+    unit (``seed_ci``: a seed whose runs of two builds both pair is one value, their mean). Where
+    a pair used plain ``decoupled``'s K = 0 run, the result's ``reference`` names it and
+    ``reference_n`` counts those pairs."""
+    out = {}
+    for spec, p in paired_runs(cells, reference, key).items():
+        out[spec] = seed_ci(p["pairs"])
+        if p["via_alt"]:
+            out[spec].update(reference="decoupled", reference_n=p["via_alt"])
     return out
 
 

@@ -261,15 +261,20 @@ def test_a_corrected_arm_without_its_own_k0_pairs_with_plain_decoupled_at_k0_and
             r["build"] = build
         return c
 
+    # (seed 0 pairs in both builds: +0.1 against its own K = 0, +0.3 against decoupled's; the
+    # seed is the unit, so seed 0 counts once, as +0.2, beside seed 1's +0.3)
     mixed = {
-        cell_spec(0, "decoupled"): {"runs": built(0, (0, 0.5))["runs"] + built(1, (0, 0.4))["runs"]},
-        cell_spec(0, "tis"): built(0, (0, 0.6)),
-        cell_spec(4, "tis"): {"runs": built(0, (0, 0.7))["runs"] + built(1, (0, 0.7))["runs"]},
+        cell_spec(0, "decoupled"): {
+            "runs": built(0, (0, 0.5), (1, 0.6))["runs"] + built(1, (0, 0.4))["runs"]
+        },
+        cell_spec(0, "tis"): built(0, (0, 0.6), (1, 0.5)),
+        cell_spec(4, "tis"): {"runs": built(0, (0, 0.7), (1, 0.8))["runs"] + built(1, (0, 0.7))["runs"]},
     }
     add_paired_differences(mixed)
     m = mixed[cell_spec(4, "tis")]["vs_k0"]
-    assert m["n"] == 2 and abs(m["mean"] - (0.1 + 0.3) / 2) < 1e-12 and m["reference_n"] == 1
-    assert ci_text(m).endswith("(vs decoupled for 1 of 2)")
+    assert m["n"] == 2 and m["n_pairs"] == 3 and m["reference_n"] == 1
+    assert abs(m["mean"] - (0.2 + 0.3) / 2) < 1e-12  # pooled as 3 independent pairs: 0.2333
+    assert ci_text(m).endswith("(vs decoupled for 1 of 3 pairs)")
 
     # not where the K = 0 loss differs: a correction that is not 1 at pi_old = mu, an engine
     # that disagreed with the trainer (bf16), or a reference run that did not log the gap
