@@ -30,8 +30,9 @@ when the environment says done, the model writes EOS, ``env.max_turns`` turns ar
 observation) reach the budget (``env.max_total_tokens`` or ``rollout.sampling.max_tokens``);
 its reward is ``env.final_reward``, ``truncated`` as the runner's ``finish_reason == "length"``.
 Behaviour logprobs are the sampling distribution's (after temperature / top-k / top-p), as the
-engine's ``processed_logprobs`` are; with ``use_vllm=False`` TRL reads them nowhere in the loss
-(its ratio's anchor is its own recomputed logprobs), so they are returned for completeness.
+engine's ``processed_logprobs`` are (``Sampler``, one token's at a time); with
+``use_vllm=False`` TRL reads them nowhere in the loss (its ratio's anchor is its own recomputed
+logprobs), so they are returned for completeness.
 """
 
 from __future__ import annotations
@@ -40,9 +41,48 @@ import asyncio
 from typing import Any
 
 import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from data.envs.stops import Stops
 from modules.policy.prompt_format import PlainText
+
+
+class Sampler(LogitsProcessor):
+    """Temperature, top-k and top-p as ``generate`` applies them (Hugging Face's own warpers, in
+    its order), and the log-probability of each sampled token under that distribution, kept as
+    it is drawn: ``output_scores`` would keep every step's whole distribution instead (64 x 128 x
+    49,152 floats, 1.6 GB a turn for the tool recipe, and more to stack them)."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float) -> None:
+        self.warpers: list[LogitsProcessor] = []
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            self.warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.last: torch.Tensor | None = None  # the previous step's log-distribution [B, vocab]
+        self.chosen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.last is not None:  # the token drawn at the previous step is input_ids' last
+            self.chosen.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        self.last = scores.log_softmax(-1)
+        return scores
+
+    def logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """``[B, new tokens]``: each sampled token's log-probability (``sequences``: generate's)."""
+        if self.last is None:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack([*self.chosen, self.last.gather(-1, sequences[:, -1:]).squeeze(-1)], dim=1)
 
 
 class EpisodeRollout:
@@ -176,23 +216,25 @@ class EpisodeRollout:
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
         attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
         text_stops = {"stop_strings": list(self.stops.strings), "tokenizer": self.tokenizer}
+        sampler = Sampler(self.temperature, self.top_k, self.top_p)
         out = model.generate(
             input_ids=ids,
             attention_mask=attention,
             do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else 0,  # 0, not None: None is Hugging Face's 50
+            # the warpers are the sampler's (so it sees what each token was drawn from): none here;
+            # top_k 0, not None: None is Hugging Face's default of 50
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            logits_processor=LogitsProcessorList([sampler]),
             max_new_tokens=max(caps),
             eos_token_id=[self.tokenizer.eos_token_id, *self.stops.token_ids],
             pad_token_id=pad,
-            output_scores=True,  # the processed scores: the distribution each token was drawn from
             return_dict_in_generate=True,
             **(text_stops if self.stops.strings else {}),
         )
         new = out.sequences[:, width:]
-        steps = torch.stack(out.scores, dim=1).log_softmax(-1)  # [B, new, vocab]
-        chosen = steps.gather(-1, new[:, : steps.shape[1], None]).squeeze(-1)
+        chosen = sampler.logprobs(out.sequences)
         ends = {self.tokenizer.eos_token_id, *self.stops.token_ids}
         result, lps, stopped = [], [], []
         for row, lp, cap in zip(new.tolist(), chosen.tolist(), caps):

@@ -18,8 +18,10 @@ after ``--``), mapped field by field:
           batch, rendered by model.prompt_format: plain text as TRL's text prompt, ChatTemplate as
           TRL's conversational prompt (system + user turn), the ids checked equal to the project's
     rollout.group_size G, P x G completions per rollout batch -> num_generations, generation batch
-    algo.minibatches M (optimizer steps per rollout batch) -> steps_per_generation=M,
-                                                          per_device_train_batch_size=P*G/M
+    algo.minibatches M (optimizer steps per rollout batch), algo.micro_batch_size m
+          -> per_device_train_batch_size=m (the largest divisor of P*G/M not above it; null:
+          P*G/M), gradient_accumulation_steps=P*G/(M m), steps_per_generation=P*G/m: M
+          optimizer steps per rollout batch, each over P*G/M samples in slices of m
     rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
     the task's reward (``task.reward(row, text)``) + rollout.overlong (DAPO's soft punishment on the
           response's token count, the project's Overlong; filter -> mask_truncated_completions)
@@ -87,6 +89,22 @@ MATCHED = {  # project fields TRL can mirror only at these values
     "rollout.group_filter": (None,),  # DAPO's dynamic sampling: not mirrored
 }
 CORRECTIONS = ("modules.algo.corrections.NoCorrection", "modules.algo.corrections.TruncatedTokenIS")
+
+
+def batch_shape(cfg: Any) -> tuple[int, int, int]:
+    """``(per_device_train_batch_size, gradient_accumulation_steps, steps_per_generation)`` for
+    ``algo.minibatches`` optimizer steps per rollout batch in slices of ``algo.micro_batch_size``:
+    TRL's "dapo" normaliser (the generation batch's tokens x accumulation / steps per generation)
+    is then the rollout batch's tokens / M for every slice, with or without accumulation."""
+    minibatch = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size) // int(cfg.algo.minibatches)
+    cap = cfg.algo.micro_batch_size
+    micro = (
+        minibatch
+        if cap is None
+        else max(d for d in range(1, min(int(cap), minibatch) + 1) if minibatch % d == 0)
+    )
+    accumulation = minibatch // micro
+    return micro, accumulation, int(cfg.algo.minibatches) * accumulation
 
 
 def check_matchable(cfg: Any) -> None:
@@ -225,16 +243,17 @@ def main() -> None:
 
         reward.__name__ = "episode_reward"
     disable_dropout(model)
+    micro, accumulation, per_generation = batch_shape(cfg)
     sampling = rollout.sampling
     opt = cfg.module.optimizer
     eps = cfg.algo.objective
     config = GRPOConfig(
         output_dir=str(run_dir / "trl"),
         max_steps=steps,
-        per_device_train_batch_size=p * g // minibatches,
+        per_device_train_batch_size=micro,
         num_generations=g,
-        gradient_accumulation_steps=1,
-        steps_per_generation=minibatches,  # one rollout batch of P x G, M optimizer steps on it
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=per_generation,  # one rollout batch of P x G, M optimizer steps on it
         num_iterations=1,
         max_completion_length=int(rollout_func.budget if rollout_func else sampling.max_tokens),
         temperature=float(sampling.temperature),

@@ -77,6 +77,19 @@ def test_the_run_directory_reads_like_a_train_py_run(tmp_path):
     assert math.isnan(last(metrics, "perf/engine_idle_frac"))  # nor an engine
 
 
+def drive(processors, input_ids, new, vocab):
+    """``generate``'s sampling loop over scripted tokens: at each step the logits processors see
+    the context so far and logits that give the scripted token probability 1 (log 0)."""
+    import torch
+
+    rows = torch.arange(new.shape[0])
+    for k in range(new.shape[1]):
+        logits = torch.full((new.shape[0], vocab), -1e9)
+        logits[rows, new[:, k]] = 0.0
+        processors(torch.cat([input_ids, new[:, :k]], dim=1), logits)
+    return SimpleNamespace(sequences=torch.cat([input_ids, new], dim=1))
+
+
 class ScriptedModel:
     """``generate`` as Hugging Face returns it (left-padded input, ``sequences`` and processed
     ``scores``), writing by rule: after the question "c=", after an observation "a." + EOS; one
@@ -85,11 +98,11 @@ class ScriptedModel:
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
         import torch
 
         vocab = len(self.tok)
-        rows, scores = [], []
+        rows = []
         for ids, m in zip(input_ids.tolist(), attention_mask.tolist()):
             text = self.tok.decode([t for t, k in zip(ids, m) if k], skip_special_tokens=True)
             if text.startswith("9*9?"):
@@ -100,12 +113,7 @@ class ScriptedModel:
                 new = [*self.tok("a.", add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
             new = new[:max_new_tokens]
             rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
-        out = torch.tensor(rows)
-        for k in range(max_new_tokens):
-            logits = torch.full((len(rows), vocab), -1e9)
-            logits[torch.arange(len(rows)), out[:, k]] = 0.0  # the sampled token had probability 1
-            scores.append(logits)
-        return SimpleNamespace(sequences=torch.cat([input_ids, out], dim=1), scores=tuple(scores))
+        return drive(kw["logits_processor"], input_ids, torch.tensor(rows), vocab)
 
 
 def test_trl_episodes_follow_the_projects_episode_rules(models):
@@ -189,7 +197,7 @@ class ScriptedChatModel:
 
         self.kwargs = kw
         enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        rows, scores = [], []
+        rows = []
         for ids, m in zip(input_ids.tolist(), attention_mask.tolist()):
             context = self.tok.decode([t for t, k in zip(ids, m) if k])
             if "<|im_start|>tool" in context:
@@ -198,12 +206,7 @@ class ScriptedChatModel:
                 new = enc(self.call + " Then I will answer")
             new = new[:max_new_tokens]
             rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
-        out = torch.tensor(rows)
-        for k in range(max_new_tokens):
-            logits = torch.full((len(rows), len(self.tok)), -1e9)
-            logits[torch.arange(len(rows)), out[:, k]] = 0.0
-            scores.append(logits)
-        return SimpleNamespace(sequences=torch.cat([input_ids, out], dim=1), scores=tuple(scores))
+        return drive(kw["logits_processor"], input_ids, torch.tensor(rows), len(self.tok))
 
 
 def test_trl_episodes_on_the_chat_template_with_a_text_stop():
@@ -258,3 +261,43 @@ def test_trl_episodes_on_the_chat_template_with_a_text_stop():
     ]
     rendered = tok.apply_chat_template(conversation, tokenize=False)
     assert tok.decode(out["prompt_ids"][0] + ids) + "\n" == rendered  # the template ends a turn with "\n"
+
+
+def test_the_sampler_records_the_distribution_generate_draws_from(models):
+    """``Sampler`` (temperature, top-k, top-p, each sampled token's log-probability kept as it is
+    drawn) against ``generate``'s own warpers and ``output_scores``: the same draws under the
+    same seed, the same log-probabilities, without keeping every step's distribution."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from tools.trl_episodes import Sampler
+
+    model = AutoModelForCausalLM.from_pretrained(models["tied"]).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12)
+    common |= dict(pad_token_id=0, eos_token_id=[], return_dict_in_generate=True)
+    for temperature, top_k, top_p in [(0.7, 0, 0.9), (1.3, 5, 1.0), (1.0, 0, 1.0)]:
+        torch.manual_seed(0)
+        ref = model.generate(**common, temperature=temperature, top_k=top_k, top_p=top_p, output_scores=True)
+        want = torch.stack(ref.scores, 1).log_softmax(-1).gather(-1, ref.sequences[:, 4:, None]).squeeze(-1)
+        sampler = Sampler(temperature, top_k, top_p)
+        torch.manual_seed(0)
+        out = model.generate(
+            **common, temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList([sampler])
+        )
+        assert torch.equal(out.sequences, ref.sequences)
+        got = sampler.logprobs(out.sequences)
+        assert got.shape == (2, 12) and torch.allclose(got, want, atol=1e-5)
+        assert (got < -1e-3).any()  # a real distribution, not probability 1 everywhere
+
+
+def test_a_rollout_batch_is_trained_in_micro_batches_as_the_project_does():
+    """``algo.micro_batch_size`` through TRL's gradient accumulation: the tool recipe's 64 samples
+    in one optimizer step of 4 x 16; the single-turn recipe's two steps of 16 each."""
+    from tools.trl_peer import batch_shape
+
+    assert batch_shape(compose(["recipe=smollm2_tools"])) == (16, 4, 4)
+    assert batch_shape(compose(["recipe=smollm2_grpo"])) == (16, 1, 2)  # 8 x 4, 2 minibatches of 16
+    assert batch_shape(compose(["recipe=smollm2_tools", "algo.micro_batch_size=24"])) == (16, 4, 4)
+    assert batch_shape(compose(["recipe=smollm2_tools", "algo.micro_batch_size=null"])) == (64, 1, 1)
+    assert batch_shape(compose(["recipe=smollm2_tools", "algo.minibatches=2"])) == (16, 2, 4)
