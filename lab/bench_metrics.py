@@ -132,10 +132,15 @@ def t95(df: int) -> float:
     return _T95[df - 1] if df <= len(_T95) else 1.960
 
 
+def finite(v: float | None) -> bool:
+    """A value a table averages: not None, NaN or +-inf."""
+    return v is not None and math.isfinite(float(v))
+
+
 def mean_ci(values: Sequence[float | None]) -> dict[str, object]:
-    """Mean over seeds with a 95 % t interval (sample std, ``n - 1``); None and NaN skipped
-    and counted. ``lo``/``hi`` are None with fewer than 2 values."""
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    """Mean over seeds with a 95 % t interval (sample std, ``n - 1``); None, NaN and +-inf
+    skipped and counted. ``lo``/``hi`` are None with fewer than 2 values."""
+    vals = [float(v) for v in values if finite(v)]
     out: dict[str, object] = {"mean": None, "lo": None, "hi": None, "std": None, "n": len(vals)}
     out["n_total"] = len(values)
     if not vals:
@@ -158,13 +163,14 @@ def by_seed(pairs: Iterable[tuple[Hashable, float | None]]) -> dict[Hashable, li
     return out
 
 
-def _seed_means(values: Mapping[Hashable, Sequence[float | None]]) -> dict[Hashable, float]:
-    """Each seed's mean over its finite values; a seed with none is left out."""
+def seed_means(values: Mapping[Hashable, Sequence[float | None]]) -> dict[Hashable, float]:
+    """Each seed's mean over its finite values (None, NaN and +-inf skipped); a seed with none
+    is left out."""
     means = {}
     for seed, vs in values.items():
-        finite = [float(v) for v in vs if v is not None and not math.isnan(float(v))]
-        if finite:
-            means[seed] = statistics.fmean(finite)
+        kept = [float(v) for v in vs if finite(v)]
+        if kept:
+            means[seed] = statistics.fmean(kept)
     return means
 
 
@@ -172,23 +178,25 @@ def per_seed_ci(values: Mapping[Hashable, Sequence[float | None]]) -> dict[str, 
     """Mean and 95 % t interval with the seed as the unit: per-run values keyed by seed
     (``{seed: [value, ...]}``, e.g. the paired differences of several lags K of one seed, or
     runs of one seed from two builds) are averaged within each seed first, and ``mean_ci`` is
-    taken over those seed means (``n`` = seeds with a finite value, df = n - 1). None and NaN
-    are skipped.
+    taken over those seed means (``n`` = seeds with a finite value, df = n - 1). None, NaN and
+    +-inf are skipped.
 
     Why not pool the runs: runs that share a seed share its prompts and first batches, so
     their outcomes move together; and when every lagged run of a seed is paired with the same
     K = 0 run, that one run's noise is in each difference. Pooling m such values per seed as
     independent divides the spread by about sqrt(m) more than the data warrant (9-15 (K, seed)
-    pairs from 3 seeds read as n = 9-15). One value per seed is independent across seeds; the
-    price is that the within-seed replication narrows nothing (a conservative interval).
+    pairs from 3 seeds read as n = 9-15). The seed means are independent across seeds, so this
+    interval is valid where the pooled one is not. It is not conservative: it is usually wider
+    than the pooled one, but it can be narrower, where a seed's values scatter more than the
+    seeds' means do (averaging within seed removes that scatter).
 
     Returns ``mean_ci``'s keys (``std`` the sd of the seed means, ``n_total`` the seeds given)
     with ``n_runs`` (finite values averaged in) and ``seed_means`` ({seed: mean})."""
-    means = _seed_means(values)
+    means = seed_means(values)
     out = mean_ci(list(means.values()))
     out.update(
         n_total=len(values),
-        n_runs=sum(v is not None and not math.isnan(float(v)) for vs in values.values() for v in vs),
+        n_runs=sum(finite(v) for vs in values.values() for v in vs),
         seed_means=means,
     )
     return out
@@ -200,13 +208,22 @@ def paired_per_seed_ci(
     """Arm ``a`` minus arm ``b`` matched by seed, averaged within seed first: each seed's mean
     over ``a``'s runs minus its mean over ``b``'s, over the seeds with a finite value in both,
     then ``per_seed_ci`` of those differences (n = matched seeds, df = n - 1; why: see
-    ``per_seed_ci``). ``n_unmatched`` counts the seeds that have values in only one arm (left
-    out). Where the pairs must match more finely than by seed (same lag, same build of the
-    warm start), form those differences first and pass them to ``per_seed_ci`` keyed by seed."""
-    ma, mb = _seed_means(a), _seed_means(b)
+    ``per_seed_ci``). Where the pairs must match more finely than by seed (same lag, same build
+    of the warm start), form those differences first and pass them to ``per_seed_ci`` keyed by
+    seed.
+
+    Counts: ``n`` the matched seeds, ``n_runs`` the finite runs of both arms in those seeds
+    (what the differences average), ``n_total`` the seeds given in either arm, ``n_unmatched``
+    the seeds with a finite value in only one arm (left out); ``seed_means`` holds each matched
+    seed's difference."""
+    ma, mb = seed_means(a), seed_means(b)
     both = [s for s in ma if s in mb]
     out = per_seed_ci({s: [ma[s] - mb[s]] for s in both})
-    out["n_unmatched"] = len((set(ma) | set(mb)) - set(both))
+    out.update(
+        n_runs=sum(finite(v) for s in both for v in (*a[s], *b[s])),
+        n_total=len(set(a) | set(b)),
+        n_unmatched=len((set(ma) | set(mb)) - set(both)),
+    )
     return out
 
 

@@ -54,8 +54,8 @@ from pathlib import Path
 from lab import run_store
 from lab.drift_cells import ARMS, MISMATCH, cell_spec, short
 from lab.drift_outcome import replay
+from lab.drift_pooled import lags_to_pool, pooled
 from lab.drift_pooled import markdown as pooled_markdown
-from lab.drift_pooled import pooled
 from lab.drift_report import markdown, plot_trajectories
 from lab.drift_store import archive, check_setup, find_run, pending_seeds, run_lock, start_reward, sweep
 from lab.drift_table import table
@@ -87,7 +87,7 @@ def main() -> None:
         type=int,
         nargs="+",
         help="also pool each arm's paired differences over these lags, the seed as the unit "
-        "(lab.drift_pooled; default: every lag > 0 of --lags)",
+        "(lab.drift_pooled; default: every lag > 0 of the cells; lags no cell has are ignored)",
     )
     parser.add_argument(
         "--with-store",
@@ -164,7 +164,7 @@ def main() -> None:
         k: v for k, v in (("threshold", args.threshold), ("patience", args.patience)) if v is not None
     }
     result = table(out, specs, args.seeds, args.drop, detector, stored, others)
-    result["pooled"] = pooled(result["cells"], args.pool_lags or [k for k in args.lags if k > 0])
+    result["pooled"] = pooled(result["cells"], lags_to_pool(specs, args.pool_lags))
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     runs = {}
@@ -176,8 +176,10 @@ def main() -> None:
     if runs:
         plot_trajectories(runs, out / "trajectories.png")
     if args.markdown:
+        pooled_text = pooled_markdown(result["pooled"])  # empty without lagged pairs
         print(
-            markdown(result["cells"], start_reward(out, stored)) + "\n\n" + pooled_markdown(result["pooled"])
+            markdown(result["cells"], start_reward(out, stored))
+            + (f"\n\n{pooled_text}" if pooled_text else "")
         )
     else:
         print(json.dumps(result))

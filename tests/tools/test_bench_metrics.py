@@ -264,3 +264,32 @@ def test_paired_per_seed_ci_matches_arms_by_seed_after_averaging_each():
     assert d["mean"] == pytest.approx(0.233333, abs=1e-6)
     assert d["lo"] == pytest.approx(0.089900, abs=1e-5) and d["hi"] == pytest.approx(0.376767, abs=1e-5)
     assert paired_per_seed_ci({0: [1.0]}, {1: [0.0]})["n"] == 0  # no seed in both: nothing
+
+
+def test_paired_per_seed_ci_counts_runs_of_both_arms_and_seeds_of_either():
+    """``n_runs`` counts the finite runs of both arms in the matched seeds (what the seed
+    differences average), not one per seed; ``n_total`` the seeds given in either arm. Seeds
+    0-2 match (a: 2 + 1 + 1 runs, b: 1 + 2 + 1, a None in b's seed 2 not counted); seed 3 is
+    only in b, seed 4 only in a with nothing finite: 5 seeds in all, 1 unmatched with a value."""
+    from lab.bench_metrics import paired_per_seed_ci
+
+    a = {0: [0.5, 0.7], 1: [0.6], 2: [0.9], 4: [math.nan]}
+    b = {0: [0.4], 1: [0.5, 0.3], 2: [0.6, None], 3: [0.1]}
+    d = paired_per_seed_ci(a, b)
+    assert (d["n"], d["n_runs"], d["n_total"], d["n_unmatched"]) == (3, 8, 5, 1)
+    assert d["mean"] == pytest.approx(0.233333, abs=1e-6)
+
+
+def test_infinite_values_are_skipped_like_none_and_nan():
+    """A run whose value is +-inf (a ratio over zero, a diverged loss) is skipped and not
+    counted, in ``mean_ci`` and within a seed; a seed of such values is left out."""
+    from lab.bench_metrics import mean_ci, paired_per_seed_ci, per_seed_ci
+
+    ci = per_seed_ci({0: [math.inf, 1.0], 1: [0.0], 2: [1.0], 3: [-math.inf]})
+    assert ci["seed_means"] == {0: 1.0, 1: 0.0, 2: 1.0}
+    assert (ci["n"], ci["n_runs"], ci["n_total"]) == (3, 3, 4)
+    assert ci["mean"] == pytest.approx(2 / 3)
+    m = mean_ci([math.inf, 0.2, -math.inf, 0.4, None])
+    assert (m["n"], m["n_total"]) == (2, 5) and m["mean"] == pytest.approx(0.3)
+    d = paired_per_seed_ci({0: [math.inf, 0.5], 1: [0.3]}, {0: [0.1], 1: [-math.inf]})
+    assert d["n"] == 1 and d["n_runs"] == 2 and d["n_unmatched"] == 1 and d["mean"] == pytest.approx(0.4)
