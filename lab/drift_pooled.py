@@ -98,13 +98,14 @@ def entry(p: dict | None, seeds: int | None = None) -> str:
     """The value with its counts in one parenthesis: '+0.005 [-0.009, +0.018] (9 pairs)', the
     seeds named where they are not ``seeds`` (the table's common n): '(2 seeds, 5 pairs)', and
     the pairs taken against plain decoupled's K = 0 run: '(9 pairs, 3 vs plain decoupled's
-    K = 0)'."""
+    K = 0)', '(9 pairs, all vs ...)'."""
     if not p:
         return ""
     counts = [] if p["n"] == seeds else [f"{p['n']} seed{'s' * (p['n'] != 1)}"]
     counts.append(f"{p['n_pairs']} pair{'s' * (p['n_pairs'] != 1)}")
     if p.get("reference"):
-        counts[-1] += f", {p.get('reference_n', p['n_pairs'])} vs plain {p['reference']}'s K = 0"
+        some = p.get("reference_n", p["n_pairs"])
+        counts[-1] += f", {'all' if some == p['n_pairs'] else some} vs plain {p['reference']}'s K = 0"
     return f"{value_text(p)} ({', '.join(counts)})"
 
 

@@ -108,3 +108,6 @@ def test_no_lagged_pair_prints_no_pooled_table_and_one_arm_no_arm_table():
         "*-0.014 [-0.047, +0.019]* (9 pairs, 3 vs plain decoupled's K = 0)"
     )
     assert entry({**p, "n": 2}, 3) == "*-0.014 [-0.047, +0.019]* (2 seeds, 9 pairs)"
+    assert entry({**p, "reference": "decoupled", "reference_n": 9}, 3).endswith(
+        "(9 pairs, all vs plain decoupled's K = 0)"
+    )

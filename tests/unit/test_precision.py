@@ -75,7 +75,7 @@ def test_corrected_mismatch_is_quiet():
 )
 def test_several_steps_per_batch_under_lag_with_the_bypass_anchor_warn_at_start_up(overrides, where, caplog):
     """The multi-minibatch lag grid's weakest loss (docs/estimators.md) is named at start-up,
-    with what kept the lag-0 reward there."""
+    with what lost no detectable reward against lag 0 there."""
     cfg = compose(overrides)
     message = lag_anchor_warning(cfg)
     assert message is not None and where in message and "algo.loss.anchor=decoupled" in message
