@@ -18,10 +18,8 @@ after ``--``), mapped field by field:
           batch, rendered by model.prompt_format: plain text as TRL's text prompt, ChatTemplate as
           TRL's conversational prompt (system + user turn), the ids checked equal to the project's
     rollout.group_size G, P x G completions per rollout batch -> num_generations, generation batch
-    algo.minibatches M (optimizer steps per rollout batch), algo.micro_batch_size m
-          -> per_device_train_batch_size=m (the largest divisor of P*G/M not above it; null:
-          P*G/M), gradient_accumulation_steps=P*G/(M m), steps_per_generation=P*G/m: M
-          optimizer steps per rollout batch, each over P*G/M samples in slices of m
+    algo.minibatches M, algo.micro_batch_size m -> per_device_train_batch_size=m (a divisor of
+          P*G/M), gradient_accumulation_steps=P*G/(M m), steps_per_generation=P*G/m (``batch_shape``)
     rollout.sampling (temperature, top_p, top_k, max_tokens) -> the same generation settings
     the task's reward (``task.reward(row, text)``) + rollout.overlong (DAPO's soft punishment on the
           response's token count, the project's Overlong; filter -> mask_truncated_completions)
@@ -97,12 +95,8 @@ def batch_shape(cfg: Any) -> tuple[int, int, int]:
     TRL's "dapo" normaliser (the generation batch's tokens x accumulation / steps per generation)
     is then the rollout batch's tokens / M for every slice, with or without accumulation."""
     minibatch = int(cfg.rollout.prompts_per_step) * int(cfg.rollout.group_size) // int(cfg.algo.minibatches)
-    cap = cfg.algo.micro_batch_size
-    micro = (
-        minibatch
-        if cap is None
-        else max(d for d in range(1, min(int(cap), minibatch) + 1) if minibatch % d == 0)
-    )
+    cap = minibatch if cfg.algo.micro_batch_size is None else min(int(cfg.algo.micro_batch_size), minibatch)
+    micro = max(d for d in range(1, cap + 1) if minibatch % d == 0)
     accumulation = minibatch // micro
     return micro, accumulation, int(cfg.algo.minibatches) * accumulation
 
