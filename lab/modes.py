@@ -49,7 +49,7 @@ import json
 from pathlib import Path
 
 from lab.modes_plots import plot, plot_reward_vs_wall
-from lab.modes_run import TRL, measure_bounds, run_recipe, split_spec
+from lab.modes_run import TRL, measure_bounds, retime, run_dir_name, run_recipe, split_spec
 from lab.modes_stats import add_comparisons, aggregate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +101,11 @@ def main() -> None:
         "--from-log",
         help="rebuild result.json and the plots from a previous run's stderr log (no training)",
     )
+    parser.add_argument(
+        "--retime",
+        help="with --from-log: redo each record's training clock from its run directory under "
+        "this folder (RETIME/<spec>/seed<n>/metrics.csv; tools.heldout_curve's end-of-step clock)",
+    )
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "modes"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     args = parser.parse_args()
@@ -118,6 +123,11 @@ def main() -> None:
     if args.from_log:
         bounds, bound_of, all_runs = read_log(Path(args.from_log), args.recipes)
         result["seeds"] = sorted({s["seed"] for runs in all_runs.values() for s in runs})
+        if args.retime:
+            all_runs = {
+                spec: [retime(r, Path(args.retime) / run_dir_name(spec) / f"seed{r['seed']}") for r in runs]
+                for spec, runs in all_runs.items()
+            }
     elif not args.no_bound:
         bounds, bound_of = measure_bounds(args.recipes, args.seeds[0], args.overrides, args)
     if bounds:

@@ -230,13 +230,34 @@ def run_recipe(
                 "train_reward_last10": statistics.fmean(
                     [float(r["train/reward_mean"]) for r in rows if r.get("train/reward_mean")][-10:]
                 ),
-                # training clock: seconds from the first training step to the last one's log
-                "train_wall_s": last(rows, "perf/wall_s"),
+                # training clock: seconds from the first training step to the last one's end
+                "train_wall_s": end_of_training(run_dir),
                 **curve_fields(curve),
             }
         )
         print(json.dumps({"recipe": spec, **per_seed[-1]}), file=sys.stderr)
     return per_seed
+
+
+def end_of_training(run_dir: Path) -> float:
+    """Seconds from the first training step's start to the last one's end (``wall_at_steps``)."""
+    from tools.heldout_curve import wall_at_steps
+
+    logged = wall_at_steps(run_dir)
+    return logged[max(logged)]["wall_s"] if logged else float("nan")
+
+
+def retime(record: dict, run_dir: Path) -> dict:
+    """A stored record with its training clock redone from its run's ``metrics.csv`` (the end of
+    each step, ``tools.heldout_curve``): the curve points' and the run's training seconds."""
+    from tools.heldout_curve import training_time_of, wall_at_steps
+
+    logged = wall_at_steps(run_dir)
+    curve = [
+        {**p, "train_wall_s": (training_time_of(p["step"], logged) or {"wall_s": 0.0})["wall_s"]}
+        for p in record.get("curve", [])
+    ]
+    return {**record, "curve": curve, "train_wall_s": end_of_training(run_dir)}
 
 
 def heldout_curve(run_dir: Path, prune_checkpoints: bool) -> dict:

@@ -26,9 +26,9 @@ token that completes it, as ``data/envs/stops.py`` cuts the engine's), EOS,
 ``env.max_turn_tokens`` or the budget; the turn's text goes to ``env.step``, whose observation is
 rendered by the prompt format (a chat model: the template's tool turn, the ``<|im_end|>``
 that closes the calling turn included), tokenised once and appended (mask 0); the episode ends
-when the environment says done, the model writes EOS, ``env.max_turns`` turns are done or its tokens (model and
-observation) reach the budget (``env.max_total_tokens`` or ``rollout.sampling.max_tokens``);
-its reward is ``env.final_reward``, ``truncated`` as the runner's ``finish_reason == "length"``.
+when the environment says done, the model writes EOS, ``env.max_turns`` turns are done or its
+tokens (model and observation) reach the budget (``env.max_total_tokens`` or
+``rollout.sampling.max_tokens``); its reward is ``env.final_reward``, ``truncated`` as the runner's ``finish_reason == "length"``.
 Behaviour logprobs are the sampling distribution's (after temperature / top-k / top-p), as the
 engine's ``processed_logprobs`` are (``Sampler``, one token's at a time); with
 ``use_vllm=False`` TRL reads them nowhere in the loss (its ratio's anchor is its own recomputed
@@ -56,8 +56,9 @@ from modules.policy.prompt_format import PlainText
 class Sampler(LogitsProcessor):
     """Temperature, top-k and top-p as ``generate`` applies them (Hugging Face's own warpers, in
     its order), and the log-probability of each sampled token under that distribution, kept as
-    it is drawn: ``output_scores`` would keep every step's whole distribution instead (64 x 128 x
-    49,152 floats, 1.6 GB a turn for the tool recipe, and more to stack them)."""
+    it is drawn: ``output_scores`` would keep every step's whole distribution instead (64 x 64 x
+    49,152 floats, 0.8 GB a turn for the tool recipe, and as much again to stack them). It must
+    be the last processor: ``generate`` is given no warper of its own."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float) -> None:
         self.warpers: list[LogitsProcessor] = []

@@ -91,9 +91,10 @@ def drive(processors, input_ids, new, vocab):
 
 
 class ScriptedModel:
-    """``generate`` as Hugging Face returns it (left-padded input, ``sequences`` and processed
-    ``scores``), writing by rule: after the question "c=", after an observation "a." + EOS; one
-    row (the question "9*9?") writes "a" then filler past the episode's budget."""
+    """``generate`` as Hugging Face runs it (left-padded input, the logits processors called at
+    each step, ``sequences`` returned), writing by rule: after the question "c=", after an
+    observation "a." + EOS; one row (the question "9*9?") writes "a" then filler past the
+    episode's budget."""
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
@@ -241,7 +242,13 @@ def test_trl_episodes_on_the_chat_template_with_a_text_stop():
     out = rollout.episodes([text], model)
     rollout.close()
     assert model.kwargs["stop_strings"] == ["</tool_call>"] and model.kwargs["tokenizer"] is tok
-    assert model.kwargs["top_k"] == 0  # top_k=-1 (off): 0, not Hugging Face's default of 50
+    # generate adds no warper of its own (top_k=None would be Hugging Face's 50); the rollout's
+    # Sampler applies T = 0.7 (top-k, top-p off) and records what each token was drawn from
+    assert (model.kwargs["top_k"], model.kwargs["top_p"], model.kwargs["temperature"]) == (0, 1.0, 1.0)
+    (sampler,) = model.kwargs["logits_processor"]
+    assert [(type(w).__name__, getattr(w, "temperature", None)) for w in sampler.warpers] == [
+        ("TemperatureLogitsWarper", 0.7)
+    ]
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     obs = enc(fmt.observation(tok, str(row["answer"])))
     assert tok.decode(obs).startswith("<|im_end|>\n<|im_start|>tool\n")
@@ -301,3 +308,31 @@ def test_a_rollout_batch_is_trained_in_micro_batches_as_the_project_does():
     assert batch_shape(compose(["recipe=smollm2_tools", "algo.micro_batch_size=24"])) == (16, 4, 4)
     assert batch_shape(compose(["recipe=smollm2_tools", "algo.micro_batch_size=null"])) == (64, 1, 1)
     assert batch_shape(compose(["recipe=smollm2_tools", "algo.minibatches=2"])) == (16, 2, 4)
+
+
+def test_both_clocks_read_at_the_end_of_a_step(tmp_path):
+    """``train.py`` logs ``perf/wall_s`` after a step's forward pass; the weights a checkpoint
+    holds exist once its backward, optimizer step and overhead are done (the TRL peer logs
+    then): the curve's clock, the run's training seconds and a stored record's retiming add them."""
+    import csv
+
+    from lab.modes_run import end_of_training, retime
+    from tools.heldout_curve import training_time_of, wall_at_steps
+
+    cols = ["step", "perf/wall_s", "perf/samples_total", "perf/step_backward_s"]
+    cols += ["perf/step_optimizer_s", "perf/step_overhead_s"]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerow([0, 10.0, 64, 20.0, 1.0, 0.5])
+        w.writerow([1, 40.0, 128, 21.0, 1.0, 0.5])
+    logged = wall_at_steps(tmp_path)
+    assert training_time_of(1, logged) == {"wall_s": 31.5, "samples": 64.0}  # 10 + 20 + 1 + 0.5
+    assert end_of_training(tmp_path) == 62.5
+    record = {
+        "seed": 0,
+        "train_wall_s": 40.0,
+        "curve": [{"step": 0, "train_wall_s": 0.0}, {"step": 2, "train_wall_s": 40.0}],
+    }
+    again = retime(record, tmp_path)
+    assert [p["train_wall_s"] for p in again["curve"]] == [0.0, 62.5] and again["train_wall_s"] == 62.5
