@@ -76,6 +76,7 @@ def candidates() -> list[Candidate]:
         out.append(Candidate(f"streaming K={k} drop + cancel", (*auto, "rollout.cancel_doomed=true")))
         out.append(Candidate(f"streaming K={k} admit", (*auto, "rollout/staleness=admit")))
         out.append(Candidate(f"streaming K={k} throttle", (*auto, "rollout/staleness=throttle")))
+        out.append(Candidate(f"streaming K={k} regenerate", (*auto, "rollout/staleness=regenerate")))
         out.append(Candidate(f"streaming K={k} abort in-flight", (*auto, "rollout.inflight=abort")))
     return out
 
@@ -112,6 +113,7 @@ def run(sim: str, extra: list[str], steps: int, seed: int, budget: float, max_le
                 "of_pipeline_bound": r["ratio_to_pipeline_bound"],
                 "of_trained_mix_bound": r["ratio_to_trained_mix_bound"],
                 "staleness_mean": out["staleness_mean"],
+                "staleness_max": out["staleness_max"],
                 "drop_rate": dropped / (dropped + trained) if dropped + trained else 0.0,
                 "level_kl": out.get("bias/level_kl_trained_vs_issued", 0.0),
                 "trainer_idle_frac": out["trainer_idle_frac"],
@@ -232,6 +234,7 @@ def plan_from_run(work: Workload, steps: int, seed: int, budget: float, max_leve
                 "samples_per_unit": out["samples_per_unit"],
                 "of_pipeline_bound": out["samples_per_unit"] / bound,
                 "staleness_mean": out["staleness_mean"],
+                "staleness_max": out["staleness_max"],
                 "drop_rate": dropped / (dropped + trained / group) if dropped + trained else 0.0,
                 "level_kl": out.get("bias/level_kl_trained_vs_issued", 0.0),
                 "trainer_idle_frac": out["trainer_idle_frac"],

@@ -199,3 +199,14 @@ def test_shipped_streaming_reaches_the_bound_unbiased_where_drop_and_admit_do_no
     old = streaming("rollout/staleness=drop", "rollout.max_inflight=16", "rollout.buffer_capacity=32")
     before = simulate(old, workload, steps=150, step_time=5.0, concurrency=64)  # the old defaults
     assert before["samples_per_unit"] < 0.15 * bound
+
+
+def test_the_planner_weighs_a_bound_that_holds_beside_a_target():
+    """``regenerate`` is a planner candidate at every K: on the seeds' workload (long groups
+    outlive K = 2) it trains nothing past K, where ``throttle`` at the same K does."""
+    from tools.plan import run
+
+    rows = {r["candidate"]: r for r in run("seed_workload", [], 60, 0, 2.0, 0.01)["candidates"]}
+    for k in (1, 2, 4, 8):
+        assert rows[f"streaming K={k} regenerate"]["staleness_max"] <= k
+    assert rows["streaming K=2 throttle"]["staleness_max"] > 2
