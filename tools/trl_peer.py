@@ -16,7 +16,8 @@ after ``--``), mapped field by field:
     model.path (the warm start or an imported model, float32, dropout off) -> model, disable_dropout=True
     prompts: the task's train split in the order of the project's PromptStream(seed), P per rollout
           batch, rendered by model.prompt_format: plain text as TRL's text prompt, ChatTemplate as
-          TRL's conversational prompt (system + user turn), the ids checked equal to the project's
+          TRL's conversational prompt (system + user turn), the ids checked equal to the project's;
+          with an env, TRL gets the text and the rollout renders it (tools/trl_episodes.py)
     rollout.group_size G, P x G completions per rollout batch -> num_generations, generation batch
     algo.minibatches M, algo.micro_batch_size m -> per_device_train_batch_size=m (a divisor of
           P*G/M), gradient_accumulation_steps=P*G/(M m), steps_per_generation=P*G/m (``batch_shape``)
