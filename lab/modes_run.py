@@ -243,7 +243,11 @@ def end_of_training(run_dir: Path) -> float:
     """Seconds from the first training step's start to the last one's end (``wall_at_steps``)."""
     from tools.heldout_curve import wall_at_steps
 
-    logged = wall_at_steps(run_dir)
+    return last_end(wall_at_steps(run_dir))
+
+
+def last_end(logged: dict[int, dict[str, float]]) -> float:
+    """The last logged step's end (``wall_at_steps``'s clock); NaN without a logged step."""
     return logged[max(logged)]["wall_s"] if logged else float("nan")
 
 
@@ -257,7 +261,7 @@ def retime(record: dict, run_dir: Path) -> dict:
         {**p, "train_wall_s": (training_time_of(p["step"], logged) or {"wall_s": 0.0})["wall_s"]}
         for p in record.get("curve", [])
     ]
-    return {**record, "curve": curve, "train_wall_s": end_of_training(run_dir)}
+    return {**record, "curve": curve, "train_wall_s": last_end(logged)}
 
 
 def heldout_curve(run_dir: Path, prune_checkpoints: bool) -> dict:
