@@ -44,14 +44,14 @@ def test_a_frozen_recipe_runs_as_its_own_config(tmp_path):
     assert cfg["trainer"]["default_root_dir"] == "${hydra:runtime.output_dir}"
     # values are pinned: no interpolation left besides the run dir
     assert "${" not in frozen.replace("${hydra:runtime.output_dir}", "")
-    assert cfg["rollout"]["max_staleness"] == 2
+    assert cfg["rollout"]["max_staleness"] == 4
 
     # run as its own primary config, with an override: the same config, the override applied
     again = train_py(
-        "--config-path", str(tmp_path), "--config-name", "my_async", "rollout.max_staleness=4",
+        "--config-path", str(tmp_path), "--config-name", "my_async", "rollout.max_staleness=2",
         "--cfg", "job",
     )  # fmt: skip
-    assert yaml.safe_load(again) == {**cfg, "rollout": {**cfg["rollout"], "max_staleness": 4}}
+    assert yaml.safe_load(again) == {**cfg, "rollout": {**cfg["rollout"], "max_staleness": 2}}
 
     # and it passes the start-up checks train.py runs (output dir as a run would set it)
     loaded = OmegaConf.load(tmp_path / "my_async.yaml")

@@ -49,11 +49,17 @@ def test_hanging_reward_is_killed_after_its_timeout(tmp_path, models):
 
 
 def test_ctrl_c_stops_the_run_cleanly_and_resumes_at_k0(tmp_path, models):
-    """Streaming with throttle at K = 0 (where the drift controller's halving ends): Ctrl-C
+    """Streaming with throttle at K = 0 (named: async_grpo ships regenerate; K = 0 is where the drift controller's halving ends): Ctrl-C
     mid-run writes interrupted.ckpt and exits 130; resuming from it neither hangs (a batch in
     training at the interrupt used to hold the only slot K = 0 leaves) nor trains a prompt twice,
     and the batch in training at the interrupt is trained by the resumed run."""
-    k0 = ["recipe=async_grpo", "rollout.max_staleness=0", "+rollout.wait_timeout_s=60", "data.eval_size=0"]
+    k0 = [
+        "recipe=async_grpo",
+        "rollout/staleness=throttle",
+        "rollout.max_staleness=0",
+        "+rollout.wait_timeout_s=60",
+        "data.eval_size=0",
+    ]
     first = tmp_path / "first"
     proc = start(
         first, models["tied"], *k0, "task._target_=tests.helpers.DigitShareTask", "trainer.max_steps=1000"
