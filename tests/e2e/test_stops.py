@@ -49,8 +49,8 @@ def test_hanging_reward_is_killed_after_its_timeout(tmp_path, models):
 
 
 def test_ctrl_c_stops_the_run_cleanly_and_resumes_at_k0(tmp_path, models):
-    """Streaming with throttle at K = 0 (named: async_grpo ships regenerate; K = 0 is where the drift controller's halving ends): Ctrl-C
-    mid-run writes interrupted.ckpt and exits 130; resuming from it neither hangs (a batch in
+    """Streaming with throttle at K = 0 (where the drift controller's halving ends; named, as
+    async_grpo ships regenerate): Ctrl-C mid-run writes interrupted.ckpt and exits 130; resuming from it neither hangs (a batch in
     training at the interrupt used to hold the only slot K = 0 leaves) nor trains a prompt twice,
     and the batch in training at the interrupt is trained by the resumed run."""
     k0 = [
