@@ -56,11 +56,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPES = [
     "sync_grpo",
     "partial_grpo",
-    "async_grpo",
+    "async_grpo",  # regenerate at K = 4: the bound holds
     # streaming with admission control (AReaL-style: nothing dropped, the trainer may wait)
     "async_grpo:rollout/staleness=admit",
-    # streaming at K = 2 with the decoupled anchor and truncated IS
-    "async_grpo:rollout.max_staleness=2,algo.loss.anchor=decoupled,algo/correction=tis",
+    # streaming with K = 2 as a target (async_grpo's default until 2026-12-07)
+    "async_grpo:rollout/staleness=throttle,rollout.max_staleness=2",
     # does stratified selection give back what dropping long groups costs the long level?
     "async_grpo:rollout/selection=stratified",
 ]
