@@ -167,3 +167,24 @@ def test_due_means_this_batch_is_the_last_chance_within_the_bound():
 def test_a_bad_max_regenerations_names_the_field(bad):
     with pytest.raises(ConfigError, match="rollout.staleness.max_regenerations"):
         Regenerate(bad)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "k"),
+    [
+        (["recipe=async_grpo"], 4),
+        (["recipe=agent_calculator", "rollout=partial"], 2),  # partial rollout under the agent's K
+        (["recipe=partial_grpo"], None),  # unbounded: nothing is past a bound
+    ],
+)
+def test_every_shipped_bound_holds(overrides, k):
+    """``rollout.max_staleness`` is a maximum wherever a recipe ships a bound: its policy trains
+    nothing past K (``regenerate``), and nothing is dropped for it."""
+    from modules.launch.compose import build
+    from tests.conftest import compose
+
+    cfg = compose(overrides)
+    rollout = build(cfg.rollout)
+    assert rollout.bound.max_staleness == k
+    assert isinstance(rollout.bound.policy, Regenerate)
+    assert not rollout.bound.over_bound(version=(k or 0) + 8, start_version=0)  # never trained past K
