@@ -22,7 +22,6 @@ from lab.bench_metrics import paired_per_seed_ci, per_seed_ci
 from lab.level_table import counters
 from lab.modes_run import run_dir_name
 
-LEVELS = ("0", "1", "2")
 FIGURES = ("dropped_groups", "train_wall_s", "samples_per_s", "staleness_mean", "staleness_max")
 
 
@@ -31,7 +30,10 @@ def read(log: Path, runs: str | None) -> dict[str, dict[int, dict]]:
     directory when ``runs`` is given (the last record of a seed wins)."""
     out: dict[str, dict[int, dict]] = {}
     for line in log.read_text().splitlines():
-        rec = json.loads(line) if line.startswith("{") else {}
+        try:
+            rec = json.loads(line) if line.startswith("{") else {}
+        except json.JSONDecodeError:
+            continue  # a stderr line that happens to start with a brace
         if "recipe" not in rec or "seed" not in rec:
             continue
         if runs is not None:
@@ -42,11 +44,21 @@ def read(log: Path, runs: str | None) -> dict[str, dict[int, dict]]:
     return out
 
 
+def levels(runs: dict[str, dict[int, dict]]) -> list[str]:
+    """The levels every record's final evaluation has."""
+    have = [{k.rsplit("level", 1)[1] for k in r["final_eval"] if k.startswith("eval/sampled_reward_level")}
+            for seeds in runs.values() for r in seeds.values()]  # fmt: skip
+    return sorted(set.intersection(*have)) if have else []
+
+
 def table(runs: dict[str, dict[int, dict]], reference: str) -> dict:
-    keys = ["eval/sampled_reward_mean", *(f"eval/sampled_reward_level{i}" for i in LEVELS)]
-    keys += ["eval/reward_mean", *(f"eval/reward_level{i}" for i in LEVELS)]
+    if reference not in runs:
+        raise SystemExit(f"--reference {reference!r} is not among the records' specs: {sorted(runs)}")
+    lv = levels(runs)
+    keys = ["eval/sampled_reward_mean", *(f"eval/sampled_reward_level{i}" for i in lv)]
+    keys += ["eval/reward_mean", *(f"eval/reward_level{i}" for i in lv)]
     ref = runs[reference]
-    out = {}
+    out: dict = {"levels": lv}
     for spec, seeds in runs.items():
         row: dict = {"n": len(seeds)}
         for k in keys:
@@ -66,19 +78,23 @@ def table(runs: dict[str, dict[int, dict]], reference: str) -> dict:
 
 def markdown(t: dict, reference: str) -> str:
     def ci(c: dict) -> str:
-        return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+        if c.get("lo") is None:  # fewer than 2 paired seeds: no interval
+            return "n/a" if c.get("mean") is None else f"{c['mean']:+.3f} (n = {c['n']})"
+        return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] (n = {c['n']})"
 
     lines = [
         f"Final in-run held-out reward (mean over seeds; paired: minus `{reference}` by seed, 95 % t)",
         "",
-        "| arm | n | sampled | paired | level 0 / 1 / 2 paired | greedy paired | dropped | regenerated "
+        f"| arm | n | sampled | paired | level {' / '.join(t['levels'])} paired | greedy paired | dropped | regenerated "
         "| train wall s | samples/s | staleness mean / max |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, r in t.items():
+        if spec == "levels":
+            continue
         paired = spec != reference
         levels = (
-            " / ".join(ci(r[f"eval/sampled_reward_level{i} minus reference"]) for i in LEVELS)
+            " / ".join(ci(r[f"eval/sampled_reward_level{i} minus reference"]) for i in t["levels"])
             if paired
             else ""
         )
@@ -102,11 +118,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = read(args.log, args.runs)
+    t = table(runs, args.reference)  # before --store writes: a bad reference leaves the store as it was
     if args.store:
         args.store.write_text(
             "".join(json.dumps(r) + "\n" for seeds in runs.values() for r in seeds.values())
         )
-    t = table(runs, args.reference)
     print(json.dumps(t, indent=1) if args.json else markdown(t, args.reference))
 
 

@@ -366,13 +366,15 @@ def test_environment_call_threads_are_daemons():
 @pytest.mark.parametrize("recipe", ["agent_calculator", "smollm2_tools"])
 def test_a_shipped_env_has_a_call_thread_for_each_tool_call_it_may_wait_on(recipe):
     """A step waiting on its tool holds an environment-call thread, so fewer threads than the
-    tool's concurrency would cap the tool there (16 threads under a 256-wide tool halved the agent
-    benchmark's partial rollout: 62 samples/s, 131 with 256): ``env.workers`` follows ``env.tools.concurrency``."""
+    tool's concurrency would cap the tool there (16 threads under a 256-wide tool about halved the
+    agent benchmark's partial rollout): ``env.workers`` follows ``env.tools.concurrency``, 16
+    without a tool runner."""
     from tests.conftest import compose
 
     for concurrency in (16, 256):
         env = compose([f"recipe={recipe}", f"env.tools.concurrency={concurrency}"]).env
         assert env.workers == concurrency
+    assert compose([f"recipe={recipe}", "env.tools=null"]).env.workers == 16
 
 
 class EarnsThenFails(Calc):
