@@ -11,6 +11,15 @@ that interval lies wholly below 0: the recipe ends the level below the reference
 noise. With ``--runs``, also the staleness bound's counters from each run's ``metrics.csv``
 (``rollout/over_bound``, ``rollout/regenerated``, ``rollout/dropped``; the maximum staleness).
 Prints Markdown; ``--json`` prints the numbers instead.
+
+A ``lab.modes --eval-every 0`` sitting has no post-hoc curve (its records' ``curve_last`` is
+empty): the final figures are then each run's last in-run evaluation (``eval_summary.json``,
+read with ``--runs``). ``--store FILE`` writes the records with both filled in, so the table
+can be redone from that file alone:
+
+    python -m lab.level_table outputs/bench/agent_partial.log --runs "outputs/bench/agent_partial/seed{seed}" \
+        --reference "<spec>" --store lab/results/agent_partial/runs.jsonl
+    python -m lab.level_table lab/results/agent_partial/runs.jsonl --reference "<spec>"
 """
 
 from __future__ import annotations
@@ -27,15 +36,25 @@ from lab.modes_run import run_dir_name
 COUNTERS = ("rollout/over_bound", "rollout/regenerated", "rollout/dropped")
 
 
-def read_runs(logs: list[Path]) -> dict[str, dict[int, dict]]:
-    """recipe spec -> seed -> its record (the last one wins when a seed ran twice)."""
+def read_runs(logs: list[Path], runs_root: str | None = None) -> dict[str, dict[int, dict]]:
+    """recipe spec -> seed -> its record (the last one wins when a seed ran twice). With
+    ``runs_root``, a record without a post-hoc curve takes its run's last in-run evaluation as
+    ``curve_last``, and every record its run's bound ``counters``."""
     runs: dict[str, dict[int, dict]] = {}
     for log in logs:
         for line in log.read_text().splitlines():
             if not line.startswith("{"):
                 continue
             rec = json.loads(line)
-            if "recipe" in rec and "curve_last" in rec:
+            if "recipe" not in rec or "seed" not in rec:
+                continue
+            if runs_root is not None:
+                run_dir = Path(runs_root.format(seed=rec["seed"])) / run_dir_name(rec["recipe"])
+                run_dir = run_dir / f"seed{rec['seed']}"
+                if not rec.get("curve_last"):
+                    rec["curve_last"] = json.loads((run_dir / "eval_summary.json").read_text())["last"]
+                rec["counters"] = counters(run_dir)
+            if rec.get("curve_last"):  # a run with no final evaluation has no place in the table
                 runs.setdefault(rec["recipe"], {})[int(rec["seed"])] = rec
     return runs
 
@@ -57,7 +76,9 @@ def counters(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def compare(runs: dict[str, dict[int, dict]], reference: str, runs_root: str | None = None) -> dict:
+def compare(runs: dict[str, dict[int, dict]], reference: str) -> dict:
+    if reference not in runs:
+        raise SystemExit(f"--reference {reference!r} is not among the records' specs: {sorted(runs)}")
     ref = runs[reference]
     out = {}
     for spec, seeds in runs.items():
@@ -75,11 +96,8 @@ def compare(runs: dict[str, dict[int, dict]], reference: str, runs_root: str | N
                     "minus_reference": d,
                     "lost": d["hi"] is not None and d["hi"] < 0,
                 }
-        if runs_root is not None:
-            per = [
-                counters(Path(runs_root.format(seed=s)) / run_dir_name(spec) / f"seed{s}")
-                for s in sorted(seeds)
-            ]
+        if all("counters" in r for r in seeds.values()):
+            per = [seeds[s]["counters"] for s in sorted(seeds)]
             row["counters"] = {
                 k: mean_ci([p.get(k) for p in per]) for k in (*COUNTERS, "rollout/staleness_max")
             }
@@ -146,9 +164,17 @@ def main() -> None:
     parser.add_argument(
         "--runs", help="each seed's lab.modes --out, with {seed} (reads the bound's counters)"
     )
+    parser.add_argument(
+        "--store", type=Path, help="write the records, final evaluation and counters filled in"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    table = compare(read_runs(args.logs), args.reference, args.runs)
+    runs = read_runs(args.logs, args.runs)
+    table = compare(runs, args.reference)  # before --store writes: a bad reference leaves it as it was
+    if args.store:
+        args.store.write_text(
+            "".join(json.dumps(r) + "\n" for seeds in runs.values() for r in seeds.values())
+        )
     print(json.dumps(table, indent=1) if args.json else markdown(table, args.reference))
 
 

@@ -42,3 +42,38 @@ def test_a_level_below_the_reference_beyond_the_noise_is_lost(tmp_path: Path):
     assert "**-0.080" in sampled  # beyond the noise: bold
     assert [ln for ln in sampled.splitlines() if ln.startswith("| `async_grpo`")][0].endswith("| level2 |")
     assert [ln for ln in greedy.splitlines() if ln.startswith("| `async_grpo`")][0].endswith("| none |")
+
+
+def test_a_sitting_without_curves_takes_each_runs_last_in_run_evaluation(tmp_path: Path):
+    """``lab.modes --eval-every 0``: empty ``curve_last``; ``--runs`` fills it from the run's
+    eval_summary.json and the bound counters from its metrics.csv; the filled records alone
+    give the same table (``--store``)."""
+    from lab.modes_run import run_dir_name
+
+    lines = []
+    for spec, shift, dropped in (("ref", 0.0, 0), ("arm", None, 7)):
+        for s, d in zip(range(3), (0.01, 0.03, 0.05)):
+            sampled = 0.5 + 0.1 * s + (d if shift is None else shift)
+            last = {"eval/sampled_reward_mean": sampled, "eval/reward_mean": 1.0 if shift == 0.0 else 0.9}
+            last |= {f"eval/sampled_reward_level{i}": sampled + 0.01 * i for i in range(3)}
+            last |= {f"eval/reward_level{i}": last["eval/reward_mean"] for i in range(3)}
+            run = tmp_path / f"seed{s}" / run_dir_name(spec) / f"seed{s}"
+            run.mkdir(parents=True)
+            (run / "eval_summary.json").write_text(json.dumps({"last": last}))
+            (run / "metrics.csv").write_text(f"rollout/dropped,rollout/staleness_max\n{dropped},2\n")
+            lines.append(json.dumps({"recipe": spec, "seed": s, "curve_last": {}}))
+    log = tmp_path / "runs.log"
+    log.write_text("\n".join(lines))
+    runs = read_runs([log], str(tmp_path / "seed{seed}"))
+    table = compare(runs, "ref")
+    paired = table["arm"]["sampled/mean"]["minus_reference"]
+    # differences 0.01, 0.03, 0.05: mean 0.03, sd 0.02, t(0.975, 2) = 4.303
+    assert abs(paired["mean"] - 0.03) < 1e-9 and paired["n"] == 3
+    assert abs((paired["hi"] - paired["mean"]) - 4.303 * 0.02 / 3**0.5) < 1e-3
+    assert abs(table["arm"]["greedy/mean"]["minus_reference"]["mean"] + 0.1) < 1e-9
+    assert abs(table["arm"]["sampled/level2"]["minus_reference"]["mean"] - 0.03) < 1e-9
+    assert table["arm"]["counters"]["rollout/dropped"]["mean"] == 7
+    assert "+0.030 [" in markdown(table, "ref")
+    stored = tmp_path / "stored.jsonl"
+    stored.write_text("".join(json.dumps(r) + "\n" for seeds in runs.values() for r in seeds.values()))
+    assert compare(read_runs([stored]), "ref") == table
