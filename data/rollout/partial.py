@@ -113,8 +113,10 @@ class PartialRollout(StreamingRollout):
         super()._resize()
 
     def check_advantage(self, advantage: object) -> None:
-        # Iterations count whole groups: responses are never released one by one here.
+        # Iterations count whole groups: responses are never released one by one here; the
+        # staleness policy may refuse more (its own start-up check runs too).
         RolloutController.check_advantage(self, advantage)
+        self.bound.policy.check_advantage(advantage)
 
     def _target_inflight(self) -> int:
         # Top up only at the start of an iteration (not continuously, unlike streaming).

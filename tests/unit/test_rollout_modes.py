@@ -408,6 +408,25 @@ def test_regenerate_refuses_a_running_baseline_even_while_unbounded():
         )
 
 
+def test_partial_rollout_runs_its_staleness_policys_own_start_up_check():
+    """Partial rollout refuses what its base refuses and, beyond that, whatever its staleness
+    policy refuses (a policy stricter than every built-in one)."""
+
+    from modules.config.errors import ConfigError
+
+    class RefusesEverything(Throttle):
+        def check_advantage(self, advantage: object) -> None:
+            raise ConfigError("algo.advantage: refused by the policy")
+
+    with pytest.raises(ConfigError, match="refused by the policy"):
+        bind(
+            PartialRollout(1, 4, SAMPLING, max_staleness=2, staleness=RefusesEverything()),
+            SimEngine(),
+            [10],
+            advantage=GroupAdvantage(),
+        )
+
+
 def test_partial_rollout_refills_a_regenerated_group_when_the_bound_is_lowered():
     """K lowered at run time (drift controller): partial's carried-over group is past it and is
     regenerated mid-iteration; the iteration still gets its P groups (no wait on nothing)."""
