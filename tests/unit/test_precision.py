@@ -65,20 +65,28 @@ def test_corrected_mismatch_is_quiet():
 
 
 @pytest.mark.parametrize(
-    "overrides, where",
+    "overrides, where, evidence",
     [
-        (["rollout=streaming", "algo.minibatches=4"], "without the sync barrier"),
-        (["recipe=partial_grpo", "algo.epochs=2"], "without the sync barrier"),
-        (["callbacks.weight_sync.lag=2", "algo.minibatches=4"], "callbacks.weight_sync.lag=2"),
-        (["data.sync_every=2", "algo.minibatches=4"], "data.sync_every"),  # a lag by another name
+        (["rollout=streaming", "algo.minibatches=4"], "without the sync barrier", "Streaming with four"),
+        (["recipe=partial_grpo", "algo.epochs=2"], "without the sync barrier", "Streaming with four"),
+        (["callbacks.weight_sync.lag=2", "algo.minibatches=4"], "callbacks.weight_sync.lag=2", "Lag in the"),
+        (
+            ["data.sync_every=2", "algo.minibatches=4"],
+            "data.sync_every",
+            "Lag in the",
+        ),  # a lag by another name
     ],
 )
-def test_several_steps_per_batch_under_lag_with_the_bypass_anchor_warn_at_start_up(overrides, where, caplog):
-    """The multi-minibatch lag grid's weakest loss (docs/estimators.md) is named at start-up,
-    with what lost no detectable reward against lag 0 there."""
+def test_several_steps_per_batch_under_lag_with_the_bypass_anchor_warn_at_start_up(
+    overrides, where, evidence, caplog
+):
+    """The weakest loss of the multi-minibatch evidence (docs/estimators.md) is named at
+    start-up, with what did better there: a lagged sync cites the delayed-sync grid, a rollout
+    without the barrier the streaming sitting."""
     cfg = compose(overrides)
     message = lag_anchor_warning(cfg)
     assert message is not None and where in message and "algo.loss.anchor=decoupled" in message
+    assert evidence in message
     with caplog.at_level(logging.WARNING, logger="modules.launch.validate"):
         validate(cfg)
     assert any("optimizer steps per rollout batch" in r.getMessage() for r in caplog.records)
