@@ -8,6 +8,11 @@ through train.py's start-up, and a sample of them through ``python train.py`` as
 In-process, an input is "refused" when the start-up raises a config error whose message names
 its field; through train.py the sample also records the exit code, the seconds to refusal and
 whether a traceback was printed (the contract: 2, seconds, none).
+
+Every command line starts with ``model.path=`` a tiny random model built here (or ``--model``),
+as tests/unit/test_bad_input_table.py does: a row that sets ``model.path`` overrides it, and a
+row that is bad only with a model lacking something (``recipe=smollm2_grpo``: no chat template)
+is bad for the same reason in-process, as typed and in the test, whatever artifacts/ holds.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,7 +37,14 @@ def load_table() -> tuple[list[tuple[str, list[str], str]], list[list[str]]]:
     return [(e["class"], e["overrides"], e["field"]) for e in table["bad"]], table["good"]
 
 
-def in_process() -> list[dict]:
+def tiny_model(folder: Path) -> str:
+    """The test's tiny random model (tests/conftest.py ``models["tied"]``), built in ``folder``."""
+    from modules.policy.tiny_model import build_tiny_qwen
+
+    return str(build_tiny_qwen(folder / "tied", seed=1, init_std=0.3, tie_word_embeddings=True))
+
+
+def in_process(model: str) -> list[dict]:
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     from modules.config.errors import ConfigError
@@ -45,7 +58,7 @@ def in_process() -> list[dict]:
         sys.argv = ["train.py", *overrides]
         t0 = time.perf_counter()
         try:
-            build_run(compose(overrides))  # train.py's start-up: no engine, no model loaded
+            build_run(compose([f"model.path={model}", *overrides]))  # train.py's start-up
             text, refused = "", False
         except (ConfigError, ConfigCompositionException, OverrideParseException) as e:
             text, refused = message(e), True
@@ -57,8 +70,9 @@ def in_process() -> list[dict]:
     return rows
 
 
-def through_train_py(rows: list[dict], per_class: int) -> list[dict]:
-    """``per_class`` inputs of each bad class as a user types them (no PROJECT_ROOT)."""
+def through_train_py(rows: list[dict], per_class: int, model: str) -> list[dict]:
+    """``per_class`` inputs of each bad class as a user types them (no PROJECT_ROOT), after
+    ``model.path=MODEL``."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "PROJECT_ROOT"}
@@ -73,6 +87,7 @@ def through_train_py(rows: list[dict], per_class: int) -> list[dict]:
             [
                 sys.executable,
                 str(ROOT / "train.py"),
+                f"model.path={model}",
                 *row["overrides"],
                 "hydra.run.dir=/tmp/asyncrl-bad-inputs",
             ],
@@ -103,7 +118,8 @@ def markdown(rows: list[dict], cli: list[dict]) -> str:
         "",
         "The contract: a bad config is refused before any engine or model is built, in seconds, with",
         "exit code 2 and one message naming the field, the value given and what is allowed; no",
-        "traceback unless `HYDRA_FULL_ERROR=1`. Valid but unusual command lines pass.",
+        "traceback unless `HYDRA_FULL_ERROR=1`. Valid but unusual command lines pass. Every command",
+        "line runs after `model.path=` a tiny random model (as the test does), which a row may override.",
         "",
         "| input class | inputs | refused naming the field | median start-up check (ms) | example |",
         "|---|---|---|---|---|",
@@ -144,14 +160,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cli", type=int, default=0, help="inputs per class run through train.py")
     parser.add_argument("--write", type=Path, help="write the markdown table here")
+    parser.add_argument("--model", help="model.path before every command line (default: a tiny one)")
     args = parser.parse_args()
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    rows = in_process()
-    cli = through_train_py(rows, args.cli) if args.cli else []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or tiny_model(Path(tmp))
+        rows = in_process(model)
+        cli = through_train_py(rows, args.cli, model) if args.cli else []
     text = markdown(rows, cli)
     if args.write:
         args.write.write_text(text)

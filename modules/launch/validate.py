@@ -109,13 +109,14 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     """Why this run's loss is the one the multi-minibatch lag grid found weakest, or None: with
     several optimizer steps per rollout batch and trained samples that lag (a delayed sync, a
     sync every few batches, or a rollout without the sync barrier whose staleness bound is
-    unbounded or above ``STREAMING_MEASURED_K``, or trained for several epochs), the PPO clip
+    unbounded or above ``STREAMING_MEASURED_K``, partial rollout, or several epochs), the PPO clip
     against the stale behaviour policy (the bypass anchor) cost about 0.09 of held-out sampled
     reward at K = 2-8 and lr 5e-4 (a delayed sync, 3 seeds), while the decoupled anchor with a
     truncated correction lost none detectable; at lr 1e-3 bypass lost about 0.10 and the
     corrections' own loss is unsettled (docs/estimators.md, "Lag in the multi-minibatch
-    regime"). Quiet where the pre-registered streaming sitting measured (no sync barrier, K of
-    at most 4, one epoch, 5 seeds): there bypass was not separable from sync or from decoupled
+    regime"). Quiet where the pre-registered streaming sitting measured (streaming rollout, K of
+    at most 4, one epoch, 5 seeds; partial rollout, whose groups carry tokens of several
+    versions, was not measured there): there bypass was not separable from sync or from decoupled
     + ``tis`` (docs/estimators.md, "Streaming with four minibatches"). Quiet with one step per
     batch (another regime: its evidence favours the bypass anchor near the on-policy edge) and
     with a staleness policy that re-anchors at the bypass anchor itself (recompute, whose own
@@ -137,7 +138,8 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
     if lag > 0:
         where = f"callbacks.weight_sync.lag={lag}"
     elif not getattr(target_class(rollout), "barrier", False) and bound != 0:
-        if is_count(bound) and bound <= STREAMING_MEASURED_K and epochs == 1:
+        measured = rollout.get("_target_") == STREAMING_MEASURED_ROLLOUT
+        if measured and is_count(bound) and bound <= STREAMING_MEASURED_K and epochs == 1:
             return None  # measured in streaming: not separable from sync or from decoupled + tis
         where = f"a rollout without the sync barrier, rollout.max_staleness={bound}, algo.epochs={epochs}"
     elif (isinstance(sync_every, int) and sync_every > 1) or data.get("sync_every_s"):
@@ -150,13 +152,15 @@ def lag_anchor_warning(cfg: DictConfig) -> str | None:
         "lr 5e-4, 3 seeds) the bypass anchor lost ~0.09 held-out sampled reward against lag 0, "
         "while algo.loss.anchor=decoupled algo/correction=tis (or tseq_is) lost none detectable "
         "(tis -0.014 [-0.047, +0.019]); at lr 1e-3 bypass lost ~0.10 and the corrections' loss is "
-        "unsettled (docs/estimators.md, 'Lag in the multi-minibatch regime'; streaming at "
+        "unsettled (docs/estimators.md, 'Lag in the multi-minibatch regime'; streaming rollout at "
         f"rollout.max_staleness <= {STREAMING_MEASURED_K} with one epoch, where bypass was not "
         "separable from either, is quiet: 'Streaming with four minibatches')"
     )
 
 
-# The largest bound the streaming sitting with several minibatches measured (regenerate, K = 4).
+# The rollout and the largest bound the streaming sitting with several minibatches measured
+# (regenerate, K = 4); partial rollout was not part of it.
+STREAMING_MEASURED_ROLLOUT = "data.rollout.streaming.StreamingRollout"
 STREAMING_MEASURED_K = 4
 
 

@@ -1,4 +1,4 @@
-"""The adversarial command lines of ``docs/bad_inputs.yaml`` (214 bad, 21 valid but
+"""The adversarial command lines of ``docs/bad_inputs.yaml`` (bad ones, and valid but
 unusual) through train.py's start-up, in-process: each bad one is refused before any engine
 or model is built, with one message naming its field; each valid one passes. The e2e tier
 runs two of them as a user types them (exit code 2, no traceback: tests/e2e/test_config.py).

@@ -69,6 +69,8 @@ def test_corrected_mismatch_is_quiet():
     [
         (["rollout=streaming", "algo.minibatches=4", "rollout.max_staleness=8"], "rollout.max_staleness=8"),
         (["recipe=partial_grpo", "algo.epochs=2"], "without the sync barrier"),  # unbounded, 2 epochs
+        # partial rollout at K = 2: the streaming sitting did not measure it
+        (["rollout=partial", "algo.minibatches=4", "rollout.max_staleness=2"], "rollout.max_staleness=2"),
         (["rollout=streaming", "algo.epochs=2"], "algo.epochs=2"),  # K = 2, but two epochs
         (["callbacks.weight_sync.lag=2", "algo.minibatches=4"], "callbacks.weight_sync.lag=2"),
         (["data.sync_every=2", "algo.minibatches=4"], "data.sync_every"),  # a lag by another name
