@@ -259,6 +259,18 @@ def bootstrap_ci(
     }
 
 
+def fall_from_peak(values: Sequence[float | None]) -> float:
+    """How far a run's reward curve ends below its own best point: the highest evaluation
+    minus the last (>= 0; 0 when the last is the best). A late fall (a run that peaks and then
+    loses reward in its last steps) shows as a fall that exceeds the reference's, paired by
+    seed; the final reward alone cannot tell a late fall from a slow rise. Non-finite points
+    skipped; NaN without a finite last point."""
+    vals = [float(v) for v in values if finite(v)]
+    if not vals or not finite(values[-1]):
+        return math.nan
+    return max(vals) - vals[-1]
+
+
 def reward_at(times: Sequence[float], values: Sequence[float], t: float) -> float:
     """The reward of the policy a run has at training time ``t``: linear between evaluations,
     the final reward after the run ends (its policy still exists)."""

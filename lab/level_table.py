@@ -10,7 +10,10 @@ by seed (runs of one seed ran in one sitting), with a 95 % t interval. A level i
 that interval lies wholly below 0: the recipe ends the level below the reference beyond the
 noise. With ``--runs``, also the staleness bound's counters from each run's ``metrics.csv``
 (``rollout/over_bound``, ``rollout/regenerated``, ``rollout/dropped``; the maximum staleness).
-Prints Markdown; ``--json`` prints the numbers instead.
+Where the records carry a post-hoc curve (``lab.modes --eval-every N``), also each recipe's
+fall from its curve's peak to its final point (``bench_metrics.fall_from_peak``), sampled and
+greedy, and its difference to the reference's, paired by seed: a late fall is shown when that
+interval lies wholly above 0. Prints Markdown; ``--json`` prints the numbers instead.
 
 A ``lab.modes --eval-every 0`` sitting has no post-hoc curve (its records' ``curve_last`` is
 empty): the final figures are then each run's last in-run evaluation (``eval_summary.json``,
@@ -30,7 +33,7 @@ import json
 import re
 from pathlib import Path
 
-from lab.bench_metrics import mean_ci
+from lab.bench_metrics import fall_from_peak, mean_ci
 from lab.modes_run import run_dir_name
 
 COUNTERS = ("rollout/over_bound", "rollout/regenerated", "rollout/dropped")
@@ -96,6 +99,16 @@ def compare(runs: dict[str, dict[int, dict]], reference: str) -> dict:
                     "minus_reference": d,
                     "lost": d["hi"] is not None and d["hi"] < 0,
                 }
+        if all(len(r.get("curve") or []) > 1 for r in (*seeds.values(), *ref.values())):
+            for kind in ("sampled", "greedy"):
+                fall = {s: fall_from_peak([p[kind] for p in r["curve"]]) for s, r in seeds.items()}
+                ref_fall = {s: fall_from_peak([p[kind] for p in r["curve"]]) for s, r in ref.items()}
+                d = mean_ci([fall[s] - ref_fall[s] for s in sorted(seeds) if s in ref_fall])
+                row[f"fall/{kind}"] = {
+                    "value": mean_ci([fall[s] for s in sorted(seeds)]),
+                    "minus_reference": d,
+                    "late_fall": d["lo"] is not None and d["lo"] > 0,
+                }
         if all("counters" in r for r in seeds.values()):
             per = [seeds[s]["counters"] for s in sorted(seeds)]
             row["counters"] = {
@@ -139,6 +152,28 @@ def markdown(table: dict, reference: str) -> str:
                 f"| `{spec}` | {len(row['seeds'])} | "
                 + " | ".join(cells)
                 + f" | {', '.join(lost) or 'none'} |"
+            )
+        lines.append("")
+    if any("fall/sampled" in r for r in table.values()):
+        lines += [
+            "Fall from the curve's peak to its final point (highest evaluation minus the last): "
+            f"mean over seeds; below it, minus `{reference}`'s, paired by seed, 95 % t interval "
+            "(italics: holds 0; bold: beyond the noise; a late fall when above 0)",
+            "",
+            "| recipe | n | sampled | greedy | late fall |",
+            "|---|---|---|---|---|",
+        ]
+        for spec, row in table.items():
+            if "fall/sampled" not in row:
+                continue
+            cells = [
+                f"{row[f'fall/{k}']['value']['mean']:.3f}"
+                + ("" if spec == reference else f"<br>{fmt(row[f'fall/{k}']['minus_reference'])}")
+                for k in ("sampled", "greedy")
+            ]
+            late = [k for k in ("sampled", "greedy") if row[f"fall/{k}"]["late_fall"]]
+            lines.append(
+                f"| `{spec}` | {len(row['seeds'])} | {' | '.join(cells)} | {', '.join(late) or 'none'} |"
             )
         lines.append("")
     if any("counters" in r for r in table.values()):

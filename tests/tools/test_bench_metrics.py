@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from lab.bench_metrics import interp, mean_curve, summarize_times, target_from_finals, time_to_reward
+from lab.bench_metrics import (
+    fall_from_peak,
+    interp,
+    mean_curve,
+    summarize_times,
+    target_from_finals,
+    time_to_reward,
+)
 
 TIMES = [0.0, 10.0, 20.0, 30.0]
 
@@ -293,3 +300,11 @@ def test_infinite_values_are_skipped_like_none_and_nan():
     assert (m["n"], m["n_total"]) == (2, 5) and m["mean"] == pytest.approx(0.3)
     d = paired_per_seed_ci({0: [math.inf, 0.5], 1: [0.3]}, {0: [0.1], 1: [-math.inf]})
     assert d["n"] == 1 and d["n_runs"] == 2 and d["n_unmatched"] == 1 and d["mean"] == pytest.approx(0.4)
+
+
+def test_the_fall_from_the_peak_is_the_best_point_minus_the_last():
+    assert fall_from_peak([0.2, 0.95, 0.93, 0.914]) == pytest.approx(0.036)  # peaked, then fell
+    assert fall_from_peak([0.2, 0.5, 0.9]) == 0.0  # still rising: no fall
+    assert fall_from_peak([0.2, math.nan, 0.7, 0.6]) == pytest.approx(0.1)  # a missing point skipped
+    assert math.isnan(fall_from_peak([0.2, 0.9, math.nan]))  # no final point: no fall to measure
+    assert math.isnan(fall_from_peak([]))

@@ -77,3 +77,29 @@ def test_a_sitting_without_curves_takes_each_runs_last_in_run_evaluation(tmp_pat
     stored = tmp_path / "stored.jsonl"
     stored.write_text("".join(json.dumps(r) + "\n" for seeds in runs.values() for r in seeds.values()))
     assert compare(read_runs([stored]), "ref") == table
+
+
+def test_a_run_that_peaks_and_falls_more_than_the_reference_shows_a_late_fall():
+    """Curves (``lab.modes --eval-every N``): each run's peak minus its final point, paired by
+    seed against the reference's; above 0 beyond the noise is a late fall."""
+    runs: dict[str, dict[int, dict]] = {"ref": {}, "arm": {}}
+    for s in range(4):
+        ref = [0.2, 0.8, 0.9, 0.95 - 0.01 * s]  # the reference ends near its peak
+        arm = [0.2, 0.85, 0.96, 0.90 - 0.01 * s + 0.005 * (s % 2)]  # peaks at 0.96, then falls
+        for spec, vals in (("ref", ref), ("arm", arm)):
+            curve = [{"sampled": v, "greedy": 1.0, "step": 10 * i} for i, v in enumerate(vals)]
+            last = {"eval/sampled_reward_mean": vals[-1], "eval/reward_mean": 1.0}
+            runs[spec][s] = {"recipe": spec, "seed": s, "curve": curve, "curve_last": last}
+    table = compare(runs, "ref")
+    fall = table["arm"]["fall/sampled"]
+    # per seed the arm falls 0.96 - its last (0.060, 0.065, 0.080, 0.085); the reference's last
+    # point (0.91-0.95) is its peak, a fall of 0
+    expected = [0.96 - (0.90 - 0.01 * s + 0.005 * (s % 2)) for s in range(4)]
+    assert abs(fall["minus_reference"]["mean"] - sum(expected) / 4) < 1e-9
+    assert fall["late_fall"] and not table["arm"]["fall/greedy"]["late_fall"]
+    assert table["ref"]["fall/sampled"]["value"]["mean"] == 0.0
+    text = markdown(table, "ref")
+    assert "Fall from the curve's peak" in text
+    assert [ln for ln in text.splitlines() if ln.startswith("| `arm` | 4 | 0.0")][0].endswith("| sampled |")
+    del runs["ref"][0]["curve"]  # a reference run without a curve: no fall row at all
+    assert "fall/sampled" not in compare(runs, "ref")["arm"]
