@@ -160,6 +160,8 @@ def read_log(path: Path, specs: list[str]) -> tuple[dict[str, dict], dict[str, s
             bounds[rec.pop("bound")] = rec
         elif rec.get("recipe") in runs:
             runs[rec.pop("recipe")].append(rec)
+    if not bounds:  # a --no-bound sitting: nothing to match, and its specs need not compose today
+        return bounds, {}, runs
     keys = {bound_key(compose_config(b["overrides"])): label for label, b in bounds.items()}
     bound_of = {}
     for spec in specs:

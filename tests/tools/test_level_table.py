@@ -103,3 +103,16 @@ def test_a_run_that_peaks_and_falls_more_than_the_reference_shows_a_late_fall():
     assert [ln for ln in text.splitlines() if ln.startswith("| `arm` | 4 | 0.0")][0].endswith("| sampled |")
     del runs["ref"][0]["curve"]  # a reference run without a curve: no fall row at all
     assert "fall/sampled" not in compare(runs, "ref")["arm"]
+
+
+def test_a_no_bound_log_is_read_back_without_composing_its_specs(tmp_path: Path):
+    """``lab.modes --from-log`` of a ``--no-bound`` sitting: no bound record to match, so a
+    spec that no longer composes on today's config (a group since added to a defaults list)
+    still reads back."""
+    from lab.modes import read_log
+
+    spec = "agent_calculator:rollout=partial,+rollout/staleness=regenerate"  # `+` fails today
+    log = tmp_path / "runs.log"
+    log.write_text(json.dumps({"recipe": spec, "seed": 0, "sampled_eval_after": 0.9}) + "\nnoise\n")
+    bounds, bound_of, runs = read_log(log, [spec])
+    assert bounds == {} and bound_of == {} and runs[spec][0]["sampled_eval_after"] == 0.9

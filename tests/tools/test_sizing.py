@@ -210,3 +210,21 @@ def test_the_planner_weighs_a_bound_that_holds_beside_a_target():
     for k in (1, 2, 4, 8):
         assert rows[f"streaming K={k} regenerate"]["staleness_max"] <= k
     assert rows["streaming K=2 throttle"]["staleness_max"] > 2
+
+
+def test_partial_rollout_under_a_bound_regenerates_by_default_and_drops_when_asked():
+    """conf/rollout/partial.yaml: past a bound K a group is generated again, not dropped (the
+    uncapped agent sitting, lab/README.md); ``rollout/staleness=drop`` is one override away."""
+    from data.rollout.staleness import Drop, Regenerate
+
+    tail = [(10, 0.7), (400, 0.3)]  # a heavy tail: long groups outlive K = 1
+    runs = {}
+    for name, extra in (("default", []), ("drop", ["rollout/staleness=drop"])):
+        ctl = partial("rollout.over_provision=3.0", "+rollout.max_staleness=1", *extra)
+        assert isinstance(ctl.bound.policy, Regenerate if name == "default" else Drop)
+        runs[name] = (ctl, simulate(ctl, tail, steps=12, step_time=5.0, concurrency=64))
+    (ctl, fig), (_, dropped) = runs["default"], runs["drop"]
+    assert dropped["dropped_groups"] > 0  # the same workload drops under drop
+    assert fig["dropped_groups"] == 0 and ctl.counters["regenerated"] > 0
+    assert fig["staleness_max"] <= 1  # and K holds
+    assert isinstance(build(compose(["recipe=partial_grpo"]).rollout).bound.policy, Regenerate)  # unbounded
