@@ -309,7 +309,10 @@ class StalenessBound:
         self._listeners.append(listener)
 
     def check_sync_every_s(self, value: float | None) -> None:
-        allowed = "null with rollout/staleness=admit, throttle or regenerate (they count batches per version)"
+        allowed = (
+            "null with rollout/staleness=admit, throttle or regenerate (they count batches per version; "
+            "partial rollout's default is regenerate): or choose rollout/staleness=drop"
+        )
         check("data.sync_every_s", value, value is None or not self.policy.counts_versions(), allowed)
 
     @staticmethod
