@@ -79,6 +79,11 @@ def counters(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def falls(seeds: dict[int, dict], kind: str) -> dict[int, float]:
+    """Each seed's fall from its curve's peak (``kind``: sampled or greedy)."""
+    return {s: fall_from_peak([p[kind] for p in r["curve"]]) for s, r in seeds.items()}
+
+
 def compare(runs: dict[str, dict[int, dict]], reference: str) -> dict:
     if reference not in runs:
         raise SystemExit(f"--reference {reference!r} is not among the records' specs: {sorted(runs)}")
@@ -101,8 +106,7 @@ def compare(runs: dict[str, dict[int, dict]], reference: str) -> dict:
                 }
         if all(len(r.get("curve") or []) > 1 for r in (*seeds.values(), *ref.values())):
             for kind in ("sampled", "greedy"):
-                fall = {s: fall_from_peak([p[kind] for p in r["curve"]]) for s, r in seeds.items()}
-                ref_fall = {s: fall_from_peak([p[kind] for p in r["curve"]]) for s, r in ref.items()}
+                fall, ref_fall = falls(seeds, kind), falls(ref, kind)
                 d = mean_ci([fall[s] - ref_fall[s] for s in sorted(seeds) if s in ref_fall])
                 row[f"fall/{kind}"] = {
                     "value": mean_ci([fall[s] for s in sorted(seeds)]),
