@@ -61,6 +61,7 @@ def test_kill_9_and_resume_continues_without_losing_or_repeating_prompts(tmp_pat
     )
 
 
+K = 2  # the bound for the streaming resume: small, so few steps guarantee the re-queued are trained
 EPISODES = ["env=calculator", "env._target_=tests.helpers.EveryTurnAnswered", "env.max_turn_tokens=6"]
 
 
@@ -79,6 +80,7 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
     common = [
         "recipe=async_grpo",
         f"rollout/staleness={'regenerate' if episodes else 'admit'}",
+        f"rollout.max_staleness={K}",
         *SHRINK,
         f"model.path={models['tied']}",
         "task._target_=tests.helpers.DigitShareTask",
@@ -102,7 +104,12 @@ def test_kill_9_and_resume_in_streaming_mode_loses_and_repeats_no_prompt(tmp_pat
     assert requeued and not requeued & set(trained_before)
     assert drawn == set(trained_before) | requeued  # 0 prompts lost at the checkpoint
     second = tmp_path / "second"
-    extra = 2 + len(requeued) // 4
+    # Re-queued prompts are started first, at most 4 (prompts_per_step) a version once the
+    # in-flight groups leave room; the bound trains each within K versions of its start, and
+    # under regenerate one more start (max_regenerations=1) may come K + 1 versions later.
+    # Enough steps for that, whatever order the groups finish in (no timing assumed).
+    starts = -(-len(requeued) // 4)
+    extra = starts + (K + 1) * (2 if episodes else 1)
     train(second, *common, f"ckpt_path={ckpt}", f"trainer.max_steps={step + extra}")
     resumed = [p for b in trained_prompts(second) for p in b["prompt_ids"]]
     if episodes:  # the resumed run trained episodes (the first one's, too)
