@@ -33,7 +33,6 @@ def measure(make, batches: int = 200) -> float:
     t0 = time.perf_counter()
     for _ in range(batches):
         batch = ctl.next_batch()
-        ctl.bias.on_trained(batch)
         collate(batch, pad_id=0)
         n += len(batch)
         engine.update_weights({}, engine.version + 1, inflight="keep")

@@ -220,7 +220,6 @@ def simulate(
         batch = controller.next_batch()
         waited += engine.now - t0
         trained += len(batch)
-        controller.bias.on_trained(batch)
         staleness.update(min(e.staleness, 5) for e in batch)
         lengths.update(len(e.response_ids) for e in batch)
         stale_sum += sum(e.staleness for e in batch)

@@ -7,10 +7,8 @@
 batch is requested. The module pulls these items itself (``training_step(dataloader_iter)``):
 Lightning's default fetcher would request the next rollout batch before the current step
 runs, i.e. sample it with weights that are about to change. Under DDP rank 0 owns the engine
-and scatters equal shards of each rollout batch (``_share``).
-
-The data path reads one way: task -> engine -> controller -> this datamodule -> module; this
-class never calls into the LightningModule (the module computes pi_old itself).
+and scatters equal shards of each rollout batch (``_share``). The data path reads one way:
+task -> engine -> controller -> this datamodule -> module (the module computes pi_old itself).
 
     python train.py rollout=sync             # this datamodule is the default ``data``
 """
@@ -120,6 +118,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.evaluator: HeldOutEvaluator | None = None
         self._pending_state: dict[str, Any] | None = None
         self._in_training: InTraining | None = None  # the rollout batch the trainer holds
+        self._rng_at_draw = self.shuffle_rng.getstate()  # the shuffle's state before the last draw
         self._resumed: dict[str, Any] | None = None  # one a checkpoint saved part-way through
 
     def preflight(self, max_model_len: int | None) -> None:
@@ -211,7 +210,6 @@ class RolloutDataModule(L.LightningDataModule):
             exps = self.rollout.next_batch()
             waited = time.perf_counter() - t0
             self._audit(exps)
-            self.rollout.bias.on_trained(exps)  # a checkpoint that gives it back uncounts it
             stats = {
                 **rollout_stats(exps),
                 **self.rollout.stats,
@@ -264,6 +262,7 @@ class RolloutDataModule(L.LightningDataModule):
                 self.shuffle_rng.setstate(python_state_tuple(resumed["rng"]))
                 exps = shard(full, self.rank, self.world_size)
             else:
+                self._rng_at_draw = self.shuffle_rng.getstate()  # a batch given back restores it
                 item = next(rollouts) if rollouts is not None else None
                 full, done = (item[0] if item is not None else None), 0
                 exps, stats, due = self._share(item)
@@ -343,15 +342,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         # Prompts of groups still generating or buffered are re-queued on resume (their partial
-        # generations are not saved); sync mode has none. Cursor and outstanding: one snapshot.
-        # The rollout batch in training (``handoff.py``): given back to the controller while
-        # none of its optimizer steps is done (an interrupt mid-step), else kept here with its
-        # steps done, its remaining steps trained first on resume.
+        # generations are not saved). Cursor and outstanding: one snapshot. The rollout batch in
+        # training (``handoff.py``) is given back while none of its optimizer steps is done (or
+        # it was ``drawn`` but never reached training), else kept here with its steps done.
         with self.rollout.lock:
-            batch = self._in_training
-            done = batch.done(self.trainer) if batch is not None else -1
+            batch, handed = self._in_training, self.rollout.handed_batch()
+            drawn = handed is not None and (batch is None or batch.exps is not handed)
+            done = 0 if drawn else batch.done(self.trainer) if batch is not None else -1
             given_back = done == 0
-            rng = python_state(batch.rng if given_back else self.shuffle_rng.getstate())
+            before = self._rng_at_draw if drawn else batch.rng if given_back else self.shuffle_rng.getstate()
+            rng = python_state(before)
             prompts = self.prompts.state_dict() if self.prompts else None
             if prompts is not None and self.rollout.ctx is not None:
                 prompts["front"] = self.rollout.outstanding_prompts(given_back) + prompts["front"]
@@ -360,7 +360,7 @@ class RolloutDataModule(L.LightningDataModule):
                 "rollout": self.rollout.state_dict(given_back),
                 "advantage": self.advantage.state_dict(),  # e.g. running baselines
                 "shuffle_rng": rng,
-                "in_training": batch.state(done, python_state(batch.rng)) if batch is not None else None,
+                "in_training": batch.state(done, python_state(batch.rng)) if batch and not drawn else None,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

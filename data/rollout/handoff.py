@@ -5,7 +5,9 @@ A checkpoint can be written while the trainer holds a rollout batch: ``interrupt
 of one rollout batch (``algo.minibatches`` > 1). The rule, exact in both cases: a batch is in
 the checkpoint's weights once one of its optimizer steps has finished.
 
-* None has (``in_training``): the batch is given back. Its prompts are re-queued at the
+* None has (``in_training``), or the batch never reached training (the interrupt came between
+  the controller's hand-out and the first step; the controller's half of the hand-out is
+  atomic, ``ctrl_c_held``): the batch is given back. Its prompts are re-queued at the
   front of the prompt stream, the staleness bound's count of batches taken at its version
   forgets it (at K = 0 with ``throttle`` / ``admit`` that count left no slot to start a group,
   and the resumed run waited ``rollout.wait_timeout_s``), and the bias counts forget it.
@@ -43,7 +45,15 @@ class HandOff:
     _handed: Handed | None = None
 
     def hand_out(self, groups: dict[int, dict], exps: list[Experience], version: int | None = None) -> None:
+        """The batch leaves the controller: counted as trained in the bias counts at once (a
+        checkpoint that gives it back uncounts it), so the two never disagree."""
         self._handed = Handed(groups, exps, version)
+        self.bias.on_trained(exps)
+
+    def handed_batch(self) -> list[Experience] | None:
+        """The batch handed out last (None before the first): the datamodule gives it back when
+        an interrupt caught it before it reached training."""
+        return None if self._handed is None else self._handed.exps
 
     def requeued_groups(self, in_training: bool = False) -> dict[int, dict]:
         """Group id -> row of every group whose prompt a checkpoint re-queues (oldest first):

@@ -36,6 +36,7 @@ from data.rollout.shaping import InformativeGroups, Overlong
 from data.rollout.sizing import Sizing
 from data.rollout.staleness import Drop, StalenessBound, StalenessPolicy
 from data.rollout.streaming_state import StreamingCheckpoint
+from modules.callbacks.interrupts import ctrl_c_held
 from modules.config.errors import check, check_choice
 from modules.engine.types import INFLIGHT_MODES, EngineError, SamplingConfig
 
@@ -321,6 +322,18 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         if chosen is None:
             return None
         chosen = self.bound.policy.first(self.bound, self, chosen, version)  # regenerate: due groups
+        with ctrl_c_held():  # a checkpoint on Ctrl-C sees the batch taken whole or not at all
+            out = self._take_chosen(chosen, version)
+        self.stats = {
+            "rollout/buffer_size": float(len(self._buffer)),
+            "rollout/inflight": float(len(self._groups)),
+            "rollout/started_groups": float(self.started_groups),
+            **{f"rollout/{k}": float(v) for k, v in self.counters.items()},
+        }
+        return out
+
+    def _take_chosen(self, chosen: list[Ready], version: int) -> list[Experience]:
+        """Take the chosen groups out of the buffer, weighted by the bound, and hand them out."""
         self.bound.record_take(version)
         out: list[Experience] = []
         for r in chosen:
@@ -340,12 +353,6 @@ class StreamingRollout(StreamingCheckpoint, Retirement, RolloutController):
         self._trained(list(rows.values()))
         if self.reweight:
             reweight_by_level(chosen, self._trained_levels, self.bias.issued_levels)
-        self.stats = {
-            "rollout/buffer_size": float(len(self._buffer)),
-            "rollout/inflight": float(len(self._groups)),
-            "rollout/started_groups": float(self.started_groups),
-            **{f"rollout/{k}": float(v) for k, v in self.counters.items()},
-        }
         return out
 
     # ------------------------------------------------------------------ lifecycle / state

@@ -47,13 +47,13 @@ class SyncRollout(RolloutController):
         batch = self._round(self.prompts_per_step)
         if self.group_filter is not None:
             batch = self._informative_batch(batch)
-        self.hand_out({e.group_id: self._drawn[e.group_id] for e in batch}, batch)
-        self._drawn = {}
         # 0 unless the weight sync is delayed (callbacks.weight_sync.lag): then the trainer is
         # ahead of the engine that generated the batch
         current = ctx.engine.version if self.trainer_version is None else self.trainer_version
         for e in batch:
             e.staleness = current - e.oldest_version()
+        self.hand_out({e.group_id: self._drawn[e.group_id] for e in batch}, batch)
+        self._drawn = {}
         return batch
 
     def _round(self, n_groups: int) -> list[Experience]:

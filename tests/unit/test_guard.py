@@ -169,3 +169,25 @@ def test_a_failed_weight_sync_or_a_nan_stop_writes_no_interrupt_checkpoint(tmp_p
         err, dm = run(raise_during(failure, failure))
         assert err is failure and dm.torn_down == 1
     assert saved == [] and not (tmp_path / "interrupted.ckpt").exists()
+
+
+def test_a_ctrl_c_inside_a_held_block_is_raised_when_the_block_ends():
+    """``ctrl_c_held`` (a rollout batch taken from the controller): the block runs to its end,
+    then the KeyboardInterrupt comes; the handler before it is back in place either way."""
+    import os
+    import signal
+
+    from modules.callbacks.interrupts import ctrl_c_held
+
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("first")  # the handler has run by now (it runs between bytecodes)
+            done.append("second")
+    assert done == ["first", "second"]
+    assert signal.getsignal(signal.SIGINT) is before
+    with ctrl_c_held():  # no Ctrl-C: nothing raised
+        done.append("third")
+    assert signal.getsignal(signal.SIGINT) is before

@@ -11,6 +11,8 @@ through ``torch.save`` with ``weights_only`` loading) at one of these points:
   (``ModelCheckpoint``; also the one a SIGKILL resumes from);
 * ``taken``: a rollout batch was handed to the trainer, none of its optimizer steps done
   (``interrupted.ckpt``, written in ``on_exception`` by a SIGINT / SIGTERM mid-step);
+* ``drawn``: the controller handed a batch out (logged, counted as taken) and the interrupt
+  came before the datamodule put it in training (a Ctrl-C during its collation);
 * ``mid``: with two minibatches, after the first one's optimizer step (a step-end checkpoint,
   or an interrupt during the second step).
 
@@ -100,13 +102,15 @@ class Run:
         self.dm.trainer = self.trainer
         self.trained: list[list[tuple[int, int]]] = []  # (group id, sample index) per optimizer step
         self._stream = None
-        self.armed = self.fired = False  # a Ctrl-C while the controller waits for generation
+        self.armed: str | bool = False  # the point a Ctrl-C comes at: "waiting" (for generation), "drawn"
+        self.fired = False
         for name in ("wait_any", "wait_on"):
             setattr(self.eng, name, self._interruptible(getattr(self.eng, name)))
+        self.dm._share = self._interruptible(self.dm._share, "drawn")
 
-    def _interruptible(self, wait):
+    def _interruptible(self, wait, point: str = "waiting"):
         def waiting(*args):
-            if self.armed:
+            if self.armed == point:
                 self.armed, self.fired = False, True
                 raise KeyboardInterrupt
             return wait(*args)
@@ -153,7 +157,8 @@ class Run:
         at ``stop`` = (rollout batch index, point) and return it (the process then dies)."""
         b = 0
         while self.trainer.global_step < n_steps:
-            self.armed = stop is not None and stop[1] == "waiting" and b >= stop[0]
+            arm = stop is not None and stop[1] in ("waiting", "drawn") and b >= stop[0]
+            self.armed = stop[1] if arm else False
             try:
                 steps = self.draw()
             except KeyboardInterrupt:  # Lightning's on_exception writes interrupted.ckpt
@@ -206,15 +211,15 @@ def test_controller_state_with_its_batch_in_training_leaves_room_at_k0(policy):
 
     ctl = bound(controller("streaming", policy, 0), eng)
     batch = ctl.next_batch()
-    ctl.bias.on_trained(batch)  # as the datamodule counts it
     front = ctl.outstanding_prompts(in_training=True)
     state = ctl.state_dict(in_training=True)
     assert ctl.state_dict()["taken"] == [0, 1]  # trained: the version's batch is taken
     fresh = bound(controller("streaming", policy, 0), SimEngine())
     fresh.load_state_dict(state)
+    assert fresh.bias.trained_levels == Counter()  # given back: not counted as trained
     fresh.ctx.prompts.load_state_dict({**ctl.ctx.prompts.state_dict(), "front": front})
     assert sorted(e.prompt_id for e in fresh.next_batch()) == sorted(e.prompt_id for e in batch)
-    assert fresh.bias.trained_levels == Counter()  # not counted as trained before it is
+    assert fresh.bias.trained_levels == Counter(e.difficulty for e in batch)  # once, handed out again
 
 
 def matrix() -> list[tuple]:
@@ -225,7 +230,8 @@ def matrix() -> list[tuple]:
 
 @pytest.mark.parametrize("mode, policy, k", matrix())
 @pytest.mark.parametrize(
-    "point, mb", [("between", 1), ("waiting", 1), ("taken", 1), ("taken", 2), ("mid", 2)]
+    "point, mb",
+    [("between", 1), ("waiting", 1), ("taken", 1), ("taken", 2), ("mid", 2), ("drawn", 1), ("drawn", 2)],
 )
 def test_resume_at_any_point_of_a_step_loses_and_repeats_nothing(tmp_path, mode, policy, k, point, mb):
     first = Run(tmp_path / "first", mode, policy, k, mb)
@@ -236,7 +242,8 @@ def test_resume_at_any_point_of_a_step_loses_and_repeats_nothing(tmp_path, mode,
     if point == "waiting":  # the first draw from batch `at` on that waits for generation
         assert first.fired and s >= at * mb and s % mb == 0
     else:
-        assert s == {"between": (at + 1) * mb, "taken": at * mb, "mid": at * mb + 1}[point]
+        assert s == {"between": (at + 1) * mb, "taken": at * mb, "mid": at * mb + 1, "drawn": at * mb}[point]
+        assert first.fired == (point == "drawn")
     check_resume(tmp_path, first, ckpt, mode, policy, k, mb)
 
 

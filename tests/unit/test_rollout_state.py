@@ -28,8 +28,7 @@ def bound(ctl, engine, advantage=None):
 
 def run(ctl, eng, batches):
     for _ in range(batches):
-        batch = ctl.next_batch()
-        ctl.bias.on_trained(batch)
+        ctl.next_batch()
         eng.advance_to(eng.now + 2.0)
         eng.update_weights({}, eng.version + 1, inflight=ctl.inflight)
 
