@@ -29,14 +29,22 @@ ARMS = {  # arm -> (store, recipe spec) of each of its runs
 LEVELS = ("mean", "level0", "level1", "level2")
 
 
-def per_seed(arm: str, value) -> dict[int, float]:
-    """seed -> the mean of ``value(record)`` over the arm's runs of that seed."""
-    out = defaultdict(list)
+def records(arm: str) -> list[dict]:
+    """Every stored run of ``arm``."""
+    out = []
     for store, spec in ARMS[arm]:
         for line in (HERE.parent / store / "runs.jsonl").read_text().splitlines():
             rec = json.loads(line)
             if rec["recipe"] == spec:
-                out[int(rec["seed"])].append(value(rec))
+                out.append(rec)
+    return out
+
+
+def per_seed(arm: str, value) -> dict[int, float]:
+    """seed -> the mean of ``value(record)`` over the arm's runs of that seed."""
+    out = defaultdict(list)
+    for rec in records(arm):
+        out[int(rec["seed"])].append(value(rec))
     return {s: statistics.fmean(v) for s, v in out.items()}
 
 
@@ -68,10 +76,8 @@ def main() -> None:
 
 def _count(arm: str) -> dict[int, int]:
     n: dict[int, int] = defaultdict(int)
-    for store, spec in ARMS[arm]:
-        for line in (HERE.parent / store / "runs.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            n[int(rec["seed"])] += rec["recipe"] == spec
+    for rec in records(arm):
+        n[int(rec["seed"])] += 1
     return n
 
 
